@@ -1,0 +1,3 @@
+from kstep.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""The `kstep` command. Bad input: one line naming the value and the rule, exit code 2."""
+import argparse
+import json
+import sys
+
+from kstep.decoding.unmask import UNMASK_RULES
+from kstep.llm import DTYPES, load
+from kstep.params import GenerationParams
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r} is not a comma-separated list of integers")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kstep", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions for prompts (diffusion or AR, by checkpoint)")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (several run as one batch)")
+    gen.add_argument("--model", required=True, help="checkpoint directory")
+    gen.add_argument("--prompt-ids", type=_ids, action="append", default=[], metavar="1,2,3",
+                     help="a prompt as token ids (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap each text prompt in the checkpoint's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--steps", type=int, default=None, help="diffusion forward passes (default: max tokens)")
+    gen.add_argument("--block-length", type=int, default=None, help="diffusion block (default: 32 or max tokens)")
+    gen.add_argument("--remasking", default="low_confidence", choices=list(UNMASK_RULES))
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--cfg-scale", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    gen.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    rand = sub.add_parser("random-checkpoint", help="write a small random-weight checkpoint (tests, demos)")
+    rand.add_argument("--family", default="llada", choices=["llada", "llama"])
+    rand.add_argument("--out", required=True)
+    rand.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed, steps=args.steps, block_length=args.block_length,
+                              remasking=args.remasking, cfg_scale=args.cfg_scale)
+    if not args.prompts and not args.prompt_ids:
+        raise ValueError("no prompt given: pass PROMPT text or --prompt-ids")
+    if any(p == "" for p in args.prompts) or any(not ids for ids in args.prompt_ids):
+        raise ValueError("prompt is empty: give at least one token")
+    llm = load(args.model, device=args.device, dtype=args.dtype)
+    prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompts]
+    results = llm.generate(prompts + args.prompt_ids, params)
+    for result in results:
+        if args.json:
+            print(json.dumps(result.to_dict()))
+        else:
+            body = result.text if result.text is not None else " ".join(map(str, result.token_ids))
+            print(body)
+            print(f"-- {result.completion_tokens} tokens, finish_reason={result.finish_reason}, nfe={result.nfe}, "
+                  f"{result.seconds:.2f} s, {result.tokens_per_forward:.2f} tokens/forward", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+        if args.command == "random-checkpoint":
+            from kstep.random_checkpoint import write_random_checkpoint
+            print(write_random_checkpoint(args.out, family=args.family, seed=args.seed))
+            return 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kstep: error: {e}", file=sys.stderr)
+        return 2
+    return 0

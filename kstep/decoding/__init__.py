@@ -1,0 +1,1 @@
+"""Decoders: the only place the AR and diffusion paths differ."""

@@ -1,0 +1,128 @@
+"""The model handle behind `kstep.load`: prompts in, `GenerationResult`s out.
+
+Owns prompt validation, left padding, stop-token cutting and detokenising; the decoding itself is
+delegated to the decoder the checkpoint's family calls for (diffusion or autoregressive).
+"""
+import time
+from pathlib import Path
+
+import torch
+
+from kstep.decoding.autoregressive import generate_autoregressive
+from kstep.decoding.masked_diffusion import generate_diffusion
+from kstep.outputs import GenerationResult
+from kstep.params import GenerationParams
+from kstep.runner.model_runner import ModelRunner
+from kstep.tokenizer import Tokenizer, load_tokenizer
+from kstep.weights import load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Prompt = str | list[int]
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+class LLM:
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"):
+        self.path = Path(path)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was requested but no CUDA device is available")
+        self.model = load_model(self.path, self.device, resolve_dtype(dtype))
+        self.cfg = self.model.cfg
+        self.tokenizer: Tokenizer | None = load_tokenizer(self.path)
+        self.runner = ModelRunner(self.model)
+        eot = self.tokenizer.end_of_turn_ids() if self.tokenizer else []
+        self.stop_ids = list(dict.fromkeys([*self.cfg.eos_token_ids, *eot]))
+        self.pad_id = next(i for i in (self.cfg.pad_token_id, *self.stop_ids, 0) if i is not None
+                           and i != self.cfg.mask_token_id)
+
+    @property
+    def is_diffusion(self) -> bool:
+        return not self.cfg.is_causal
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of one prompt, checked against the vocabulary and the mask id."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"checkpoint {self.path} has no tokenizer.json: pass token ids, not text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if self.cfg.mask_token_id is not None and self.cfg.mask_token_id in ids:
+            raise ValueError(f"prompt contains the mask token id {self.cfg.mask_token_id}, which only the sampler may place")
+        return ids
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the checkpoint's chat template."""
+        if self.tokenizer is None:
+            raise ValueError(f"checkpoint {self.path} has no tokenizer: chat needs one")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.encode_prompt(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _left_pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        width = max(len(ids) for ids in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        key_mask = torch.zeros(len(batch), width, dtype=torch.bool)
+        for row, prompt in enumerate(batch):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            key_mask[row, width - len(prompt):] = True
+        has_padding = not bool(key_mask.all())
+        return ids.to(self.device), key_mask.to(self.device) if has_padding else None
+
+    def _cut(self, row: list[int]) -> tuple[list[int], str]:
+        for i, token in enumerate(row):
+            if token in self.stop_ids:
+                return row[:i], "stop"
+        return row, "length"
+
+    def generate(self, prompts: Prompt | list[Prompt], params: GenerationParams | None = None,
+                 **overrides) -> list[GenerationResult]:
+        """Generate for one prompt or a batch (text or token ids); one result per prompt, in order."""
+        params = params or GenerationParams()
+        if overrides:
+            params = GenerationParams(**{**{f: getattr(params, f) for f in params.__slots__}, **overrides})
+        is_single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        batch = [self.encode_prompt(p) for p in ([prompts] if is_single else prompts)]
+        if not batch:
+            raise ValueError("no prompts given")
+        longest = max(len(ids) for ids in batch)
+        if longest + params.max_tokens > self.cfg.max_positions:
+            raise ValueError(f"prompt ({longest} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                             f"context of {self.cfg.max_positions}")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        ids, key_mask = self._left_pad(batch)
+        start = time.perf_counter()
+        if self.is_diffusion:
+            out = generate_diffusion(self.runner, ids, key_mask, params, self.cfg.mask_token_id, generator)
+            timings = {"decode_seconds": out.seconds}
+        else:
+            stop = torch.tensor(self.stop_ids or [-1], device=self.device)
+            out = generate_autoregressive(self.runner, ids, key_mask, params, stop, self.pad_id, generator)
+            timings = {"prefill_seconds": out.prefill_seconds, "decode_seconds": out.seconds - out.prefill_seconds}
+        seconds = time.perf_counter() - start
+        results = []
+        for prompt, row in zip(batch, out.completions.tolist()):
+            tokens, reason = self._cut(row)
+            text = self.tokenizer.decode(tokens) if self.tokenizer else None
+            results.append(GenerationResult(tokens, reason, out.nfe, seconds, len(prompt), text, dict(timings)))
+        return results
+
+
+def load(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32") -> LLM:
+    """Load a checkpoint directory (config.json + safetensors [+ tokenizer.json]) for generation."""
+    return LLM(path, device, dtype)

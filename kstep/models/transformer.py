@@ -1,0 +1,67 @@
+"""The decoder-only transformer every family is built from (inference only).
+
+Owns the layer stack and the LM head. It does not own caches (the runner allocates them) or decide
+what is attended to (the caller passes positions and a mask): that is how one set of weights code
+serves both causal AR models and bidirectional diffusion models.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kstep.layers.attention import Attention
+from kstep.layers.mlp import SwiGLU
+from kstep.layers.norm import RMSNorm
+from kstep.layers.rotary import RotaryEmbedding
+from kstep.models.config import ModelConfig
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qkv_bias, cfg.out_bias)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, cfg.mlp_bias)
+
+    def forward(self, x, cos, sin, mask, is_causal, cache=None, cache_start=0):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, is_causal, cache, cache_start)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.embedding_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.embedding_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
+
+    def reset_rotary(self, device: torch.device | str) -> None:
+        """(Re)build the float32 rotary tables on `device` (after meta init or a dtype cast)."""
+        self.rotary = RotaryEmbedding(self.cfg.head_dim, self.cfg.max_positions, self.cfg.rope_theta,
+                                      self.cfg.rope_scaling).to(device)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                      caches: list | None = None, cache_start: int = 0) -> torch.Tensor:
+        """Final-norm hidden states (B, T, D) for input_ids (B, T) at positions (B, T)."""
+        x = self.embed(input_ids)  # (B, T, D)
+        if self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
+        cos, sin = self.rotary.tables(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, self.cfg.is_causal, None if caches is None else caches[i], cache_start)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        out = F.linear(hidden, weight[: self.cfg.vocab_size])
+        if self.cfg.logits_scale != 1.0:
+            out = out * self.cfg.logits_scale
+        return out
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
+                caches: list | None = None, cache_start: int = 0) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, positions, mask, caches, cache_start))

@@ -1,0 +1,27 @@
+"""Typed results that cross the API boundary."""
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    token_ids: list[int]             # the completion, cut at the first end-of-sequence token
+    finish_reason: str               # "stop" (end-of-sequence reached) or "length"
+    nfe: int                         # forward passes (function evaluations) the batch used
+    seconds: float                   # generation time, excluding loading
+    prompt_tokens: int
+    text: str | None = None          # when the checkpoint has a tokenizer
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return len(self.token_ids) / self.nfe if self.nfe else 0.0
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "nfe": self.nfe, "seconds": round(self.seconds, 6), "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "tokens_per_forward": round(self.tokens_per_forward, 4)}

@@ -1,0 +1,62 @@
+"""The model runner: owns the model, its KV buffers, and every forward pass.
+
+Decoders ask it for logits; they never touch the model. It builds positions and attention masks
+from per-row padding so that a left-padded row computes what it would compute alone.
+"""
+import torch
+
+from kstep.models import Transformer
+
+
+def positions_from_padding(key_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) bool, True = real token -> (B, L) positions counting real tokens only (pads get 0)."""
+    return (key_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.cfg = model.cfg
+        self.device = model.embed.weight.device
+        self.dtype = model.embed.weight.dtype
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @torch.inference_mode()
+    def full_logits(self, ids: torch.Tensor, key_mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
+        """One bidirectional pass over ids (B, L); logits only for positions [start, end): (B, end-start, V).
+
+        Computing the LM head for the positions that can change, not the whole canvas, keeps
+        memory from growing with canvas x vocabulary.
+        """
+        if key_mask is None:
+            positions = torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
+            mask = None
+        else:
+            positions = positions_from_padding(key_mask)
+            mask = key_mask[:, None, None, :]  # (B, 1, 1, L)
+        hidden = self.model.hidden_states(ids, positions, mask)  # (B, L, D)
+        return self.model.logits(hidden[:, start:end])
+
+    def allocate_kv(self, batch: int, length: int) -> None:
+        """Preallocate the KV cache once per generation: no per-step allocation or concatenation."""
+        if length > self.cfg.max_positions:
+            raise ValueError(f"prompt + max_tokens ({length}) exceeds the model's context of {self.cfg.max_positions}")
+        shape = (batch, self.cfg.n_kv_heads, length, self.cfg.head_dim)
+        self.kv = [(torch.empty(shape, device=self.device, dtype=self.dtype),
+                    torch.empty(shape, device=self.device, dtype=self.dtype)) for _ in range(self.cfg.n_layers)]
+
+    @torch.inference_mode()
+    def causal_logits(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None,
+                      cache_start: int) -> torch.Tensor:
+        """Causal pass of ids (B, T) written into the cache at [cache_start, cache_start+T); logits of
+        the last position (B, V). key_mask (B, cache_start+T) marks real (non-pad) cache slots."""
+        T = ids.shape[1]
+        mask = None
+        if key_mask is not None:
+            end = cache_start + T
+            mask = key_mask[:, None, None, :end]  # (B, 1, 1, S)
+            if T > 1:
+                causal = torch.ones(T, end, dtype=torch.bool, device=self.device).tril(cache_start)
+                mask = mask & causal  # (B, 1, T, S)
+        hidden = self.model.hidden_states(ids, positions, mask, self.kv, cache_start)  # (B, T, D)
+        return self.model.logits(hidden[:, -1])

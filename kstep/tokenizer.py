@@ -1,0 +1,71 @@
+"""Text <-> token ids via the `tokenizers` library, and the checkpoint's chat template.
+
+Special ids are read from the checkpoint (tokenizer.json / tokenizer_config.json), never from
+literals. The chat template is rendered in jinja2's sandbox: it is data from the checkpoint.
+"""
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from kstep.weights import read_json
+
+# End-of-turn markers used by common chat formats; looked up in the checkpoint's own vocabulary.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_turn|>", "<end_of_turn>", "<|endoftext|>", "<|eot|>")
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, path: Path):
+        self._tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config_path = path / "tokenizer_config.json"
+        self.config = read_json(config_path) if config_path.is_file() else {}
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self.special = {name: _token_text(self.config.get(name)) for name in ("bos_token", "eos_token", "pad_token")}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def special_id(self, name: str) -> int | None:
+        """Id of tokenizer_config's `bos_token` / `eos_token` / `pad_token`, if set."""
+        text = self.special.get(name)
+        return None if text is None else self.token_to_id(text)
+
+    def end_of_turn_ids(self) -> list[int]:
+        ids = [self.special_id("eos_token"), *(self.token_to_id(t) for t in END_OF_TURN_TOKENS)]
+        return [i for i in ids if i is not None]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render messages with the checkpoint's chat template (HF semantics: trim/lstrip blocks)."""
+        if not self.chat_template:
+            raise ValueError("this checkpoint has no chat template (tokenizer_config.json: chat_template)")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **{k: v or "" for k, v in self.special.items()})
+
+
+def load_tokenizer(path: Path) -> Tokenizer | None:
+    """The checkpoint's tokenizer, or None when it ships without tokenizer.json (ids only)."""
+    return Tokenizer(path) if (path / "tokenizer.json").is_file() else None

@@ -1,0 +1,107 @@
+"""Checkpoint I/O: config.json + safetensors (single file or sharded index) <-> `Transformer`.
+
+Tensors are read with safetensors only (never pickle), mapped by the family's declared names,
+shape-checked, and copied into parameters allocated once on the target device and dtype.
+"""
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kstep.models import FAMILIES, ModelConfig, Transformer, family_for
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """Parse PATH/config.json (plus generation_config.json's eos ids) into a ModelConfig."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist or is not a directory")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"checkpoint {path}: no config.json")
+    raw = read_json(path / "config.json")
+    family = family_for(raw)
+    try:
+        cfg = family.parse_config(raw)
+    except KeyError as e:
+        raise ValueError(f"checkpoint {path}: config.json lacks the key {e.args[0]!r}") from None
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        eos = read_json(gen_path).get("eos_token_id")
+        extra = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        cfg.eos_token_ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
+    return cfg
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """checkpoint tensor name -> file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: path / file for name, file in read_json(index)["weight_map"].items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"checkpoint {path}: no model.safetensors or model.safetensors.index.json")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_weights(model: Transformer, path: Path) -> None:
+    """Fill every parameter of `model` from the checkpoint at `path`, or raise naming what is wrong."""
+    names = FAMILIES[model.cfg.family].checkpoint_names(model.cfg)
+    files = _tensor_files(path)
+    params = dict(model.named_parameters())
+    if set(names) != set(params):
+        raise RuntimeError(f"internal: name map and model disagree on {set(names) ^ set(params)}")
+    by_file: dict[Path, list[str]] = {}
+    for ours, theirs in names.items():
+        if theirs not in files:
+            raise ValueError(f"checkpoint {path}: missing tensor {theirs!r} "
+                             f"(expected shape {list(params[ours].shape)})")
+        by_file.setdefault(files[theirs], []).append(ours)
+    with torch.no_grad():
+        for file, ours_list in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for ours in ours_list:
+                    tensor = f.get_tensor(names[ours])
+                    if tuple(tensor.shape) != tuple(params[ours].shape):
+                        raise ValueError(f"checkpoint {path}: tensor {names[ours]!r} has shape {list(tensor.shape)},"
+                                         f" expected {list(params[ours].shape)}")
+                    params[ours].copy_(tensor)
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> Transformer:
+    """An uninitialised model on `device`/`dtype` (no random init: weights are loaded next)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.reset_rotary(device)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> Transformer:
+    path = Path(path)
+    model = build_model(read_model_config(path), device, dtype)
+    load_weights(model, path)
+    return model
+
+
+def save_checkpoint(model: Transformer, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write config.json + model.safetensors in the model family's own checkpoint layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    family = FAMILIES[model.cfg.family]
+    raw = family.to_raw_config(model.cfg)
+    raw["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    params = dict(model.named_parameters())
+    tensors = {theirs: params[ours].detach().to("cpu", dtype or params[ours].dtype).contiguous()
+               for ours, theirs in family.checkpoint_names(model.cfg).items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

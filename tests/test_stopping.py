@@ -1,0 +1,55 @@
+"""Completions are cut at the first end-of-sequence token; finish_reason says why they ended."""
+import json
+
+import kstep
+from conftest import copy_checkpoint
+
+
+def test_cut_at_eos_from_checkpoint(tmp_path, llama_path, llada_path):
+    for path in (llama_path, llada_path):
+        llm = kstep.load(path)
+        first = llm.generate("def f(x):", max_tokens=16)[0]
+        assert first.finish_reason == "length" and len(first.token_ids) == 16
+        # Declare the 4th generated token to be the end-of-sequence token: output must stop right before it.
+        eos = first.token_ids[3]
+        cut_at = first.token_ids.index(eos)
+        copy = copy_checkpoint(path, tmp_path / path.name, eos_token_id=eos)
+        second = kstep.load(copy).generate("def f(x):", max_tokens=16)[0]
+        assert second.token_ids == first.token_ids[:cut_at]
+        assert second.finish_reason == "stop"
+
+
+def test_autoregressive_stops_early_and_counts_passes(tmp_path, llama_path):
+    llm = kstep.load(llama_path)
+    first = llm.generate("def f(x):", max_tokens=16)[0]
+    copy = copy_checkpoint(llama_path, tmp_path / "c", eos_token_id=first.token_ids[0])
+    out = kstep.load(copy).generate("def f(x):", max_tokens=16)[0]
+    assert out.token_ids == [] and out.finish_reason == "stop"
+    assert out.nfe == 1  # the prefill pass produced the stop token; no decode pass ran
+
+
+def test_generation_config_eos_is_honoured(tmp_path, llama_path):
+    llm = kstep.load(llama_path)
+    first = llm.generate("abc", max_tokens=8)[0]
+    copy = copy_checkpoint(llama_path, tmp_path / "g")
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [first.token_ids[2]]}))
+    out = kstep.load(copy).generate("abc", max_tokens=8)[0]
+    assert out.token_ids == first.token_ids[: first.token_ids.index(first.token_ids[2])]
+
+
+def test_checkpoint_without_tokenizer_works_on_ids(tmp_path, llada_path):
+    copy = copy_checkpoint(llada_path, tmp_path / "notok")
+    (copy / "tokenizer.json").unlink()
+    llm = kstep.load(copy)
+    out = llm.generate([7, 8, 9], max_tokens=8)[0]
+    assert out.text is None and len(out.token_ids) <= 8
+
+
+def test_chat_template_renders_and_is_used(llada_path):
+    llm = kstep.load(llada_path)
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = llm.chat_prompt([{"role": "user", "content": "hi"}])
+    assert ids[0] == llm.tokenizer.token_to_id("<|im_start|>")
+    # The end-of-turn marker of the template stops generation too.
+    assert llm.tokenizer.token_to_id("<|im_end|>") in llm.stop_ids
