@@ -29,8 +29,10 @@ def byte_level_tokenizer(corpus: list[str], vocab_size: int) -> Tokenizer:
 
 def tiny_config(family: str, vocab_size: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
                 n_kv_heads: int = 2, ffn_dim: int = 128, max_positions: int = 1024) -> ModelConfig:
+    # LLaDA/OLMo pad the embedding to a multiple of 128 rows; the padding must never be sampled.
+    embedding_size = -(-vocab_size // 128) * 128 if family == "llada" else vocab_size
     return ModelConfig(
-        family=family, is_causal=family != "llada", vocab_size=vocab_size, embedding_size=vocab_size,
+        family=family, is_causal=family != "llada", vocab_size=vocab_size, embedding_size=embedding_size,
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=d_model // n_heads,
         ffn_dim=ffn_dim, norm_eps=1e-5, rope_theta=10000.0, max_positions=max_positions,
         mask_token_id=SPECIAL_TOKENS.index("<|mask|>") if family == "llada" else None,
@@ -41,7 +43,7 @@ def write_random_checkpoint(out: str | Path, family: str = "llada", seed: int = 
     """Write a random-weight checkpoint with a byte-level tokenizer into `out`; returns the path."""
     out = Path(out)
     corpus = [Path(__file__).read_text()]  # any text will do: the merges only shape the tokenizer
-    tokenizer = byte_level_tokenizer(corpus, vocab_size=sizes.pop("vocab_size", 512))
+    tokenizer = byte_level_tokenizer(corpus, vocab_size=sizes.pop("vocab_size", 500))
     cfg = tiny_config(family, tokenizer.get_vocab_size(), **sizes)
     torch.manual_seed(seed)
     model = Transformer(cfg)

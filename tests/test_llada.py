@@ -75,3 +75,26 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(llada_path):
     run = lambda seed: llm.generate(prompt, max_tokens=32, temperature=1.0, seed=seed)[0].token_ids  # noqa: E731
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+def test_padded_embedding_rows_are_never_sampled(tmp_path, llada_path):
+    """LLaDA/OLMo checkpoints pad embedding_size past vocab_size; those rows are not tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    copy = tmp_path / "padded"
+    shutil.copytree(llada_path, copy)
+    tensors = load_file(str(copy / "model.safetensors"))
+    llm = kstep.load(copy)
+    assert llm.cfg.embedding_size > llm.cfg.vocab_size
+    tensors["model.transformer.ff_out.weight"][llm.cfg.vocab_size:] = 50.0  # would win every argmax
+    save_file(tensors, str(copy / "model.safetensors"))
+    out = kstep.load(copy).generate(prompt_ids(5, 0, llm.cfg.vocab_size), max_tokens=16, temperature=0.5, seed=0)[0]
+    assert out.token_ids and max(out.token_ids) < llm.cfg.vocab_size
+
+
+def test_bfloat16_runs(llada_path, llama_path):
+    diffusion = kstep.load(llada_path, dtype="bfloat16").generate("def f(x):", max_tokens=16, steps=8)[0]
+    assert diffusion.nfe == 8 and len(diffusion.token_ids) <= 16
+    ar = kstep.load(llama_path, dtype="bfloat16").generate("def f(x):", max_tokens=16)[0]
+    assert 1 <= ar.nfe <= 16 and len(ar.token_ids) <= 16
