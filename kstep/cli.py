@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for prompts (diffusion or AR, by checkpoint)")
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (several run as one batch)")
-    gen.add_argument("--model", required=True, help="checkpoint directory")
+    gen.add_argument("--model", default="default",
+                     help="checkpoint directory, or a bundled model: default (diffusion), default-ar, default-draft")
     gen.add_argument("--prompt-ids", type=_ids, action="append", default=[], metavar="1,2,3",
                      help="a prompt as token ids (repeat for a batch)")
     gen.add_argument("--chat", action="store_true", help="wrap each text prompt in the checkpoint's chat template")
@@ -30,12 +31,39 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--remasking", default="low_confidence", choices=list(UNMASK_RULES))
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--cfg-scale", type=float, default=0.0)
+    gen.add_argument("--cache", default="none", choices=["none", "prefix", "dual"],
+                     help="diffusion KV cache: none (exact), prefix, dual (Fast-dLLM)")
+    gen.add_argument("--threshold", type=float, default=None,
+                     help="unmask every mask with confidence >= T per pass (at least one)")
+    gen.add_argument("--factor", type=float, default=None, help="Fast-dLLM's factor unmask rule")
+    gen.add_argument("--no-early-stop", dest="early_stop", action="store_false",
+                     help="keep refining after an end-of-sequence token is final")
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     gen.add_argument("--dtype", default="float32", choices=list(DTYPES))
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    train = sub.add_parser("train", help="train a diffusion (llada) or AR (llama) model on a code corpus")
+    from kstep.train.trainer import TrainConfig
+    for f in TrainConfig.__dataclass_fields__.values():
+        if f.name in ("extra",):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.name in ("objective", "out"):
+            train.add_argument(flag, required=True, choices=["diffusion", "ar"] if f.name == "objective" else None)
+        elif f.type is bool:
+            train.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            kind = {int | None: int, str | None: str}.get(f.type, f.type)
+            train.add_argument(flag, type=kind, default=f.default)
+    train.add_argument("--resume", action="store_true", help="continue from OUT/train_state if present")
+    report = sub.add_parser("train-report", help="curves, held-out metrics and samples for trained models")
+    report.add_argument("--model", action="append", required=True, metavar="LABEL=DIR",
+                        help="a trained model directory with a label (repeat; the first sets the held-out windows)")
+    report.add_argument("--out", required=True, help="where training_curves.png and training_report.json go")
+    report.add_argument("--mc-samples", type=int, default=16, help="Monte-Carlo samples for the diffusion bound")
+    report.add_argument("--windows", type=int, default=64, help="held-out windows to score")
     rand = sub.add_parser("random-checkpoint", help="write a small random-weight checkpoint (tests, demos)")
     rand.add_argument("--family", default="llada", choices=["llada", "llama"])
     rand.add_argument("--out", required=True)
@@ -46,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run_generate(args: argparse.Namespace) -> int:
     params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed, steps=args.steps, block_length=args.block_length,
-                              remasking=args.remasking, cfg_scale=args.cfg_scale)
+                              remasking=args.remasking, cfg_scale=args.cfg_scale, cache=args.cache,
+                              threshold=args.threshold, factor=args.factor, early_stop=args.early_stop)
     if not args.prompts and not args.prompt_ids:
         raise ValueError("no prompt given: pass PROMPT text or --prompt-ids")
     if any(p == "" for p in args.prompts) or any(not ids for ids in args.prompt_ids):
@@ -71,6 +100,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "train":
+            from kstep.train.trainer import Trainer, TrainConfig
+            fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
+            print(Trainer(TrainConfig(**fields)).train(resume=args.resume))
+            return 0
+        if args.command == "train-report":
+            from pathlib import Path
+
+            from kstep.train.report import write_report
+            runs = {}
+            for item in args.model:
+                label, sep, path = item.partition("=")
+                if not sep or not Path(path).is_dir():
+                    raise ValueError(f"--model {item!r} must be LABEL=DIR with an existing directory")
+                runs[label] = Path(path)
+            result = write_report(runs, Path(args.out), args.mc_samples, args.windows)
+            print(json.dumps(result["held_out_nll_per_token"]))
+            return 0
         if args.command == "random-checkpoint":
             from kstep.random_checkpoint import write_random_checkpoint
             print(write_random_checkpoint(args.out, family=args.family, seed=args.seed))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kstep.bundled import resolve_model
 from kstep.decoding.autoregressive import generate_autoregressive
 from kstep.decoding.masked_diffusion import generate_diffusion
 from kstep.outputs import GenerationResult
@@ -31,7 +32,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 class LLM:
     def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"):
-        self.path = Path(path)
+        self.path = resolve_model(path)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was requested but no CUDA device is available")
@@ -107,11 +108,11 @@ class LLM:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         ids, key_mask = self._left_pad(batch)
         start = time.perf_counter()
+        stop = torch.tensor(self.stop_ids or [-1], device=self.device)
         if self.is_diffusion:
-            out = generate_diffusion(self.runner, ids, key_mask, params, self.cfg.mask_token_id, generator)
-            timings = {"decode_seconds": out.seconds}
+            out = generate_diffusion(self.runner, ids, key_mask, params, self.cfg.mask_token_id, stop, generator)
+            timings = {"decode_seconds": out.seconds, **out.timings}
         else:
-            stop = torch.tensor(self.stop_ids or [-1], device=self.device)
             out = generate_autoregressive(self.runner, ids, key_mask, params, stop, self.pad_id, generator)
             timings = {"prefill_seconds": out.prefill_seconds, "decode_seconds": out.seconds - out.prefill_seconds}
         seconds = time.perf_counter() - start
@@ -123,6 +124,8 @@ class LLM:
         return results
 
 
-def load(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32") -> LLM:
-    """Load a checkpoint directory (config.json + safetensors [+ tokenizer.json]) for generation."""
+def load(path: str | Path = "default", device: str | torch.device = "cpu",
+         dtype: str | torch.dtype = "float32") -> LLM:
+    """Load a checkpoint directory (config.json + safetensors [+ tokenizer.json]) or a bundled model
+    by name (`default`, `default-ar`, `default-draft`) for generation."""
     return LLM(path, device, dtype)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from kstep.decoding.unmask import UNMASK_RULES
 
 DEFAULT_BLOCK_LENGTH = 32  # LLaDA-Instruct's recommended semi-autoregressive block
+CACHE_MODES = ("none", "prefix", "dual")
 
 
 @dataclass(slots=True, frozen=True)
@@ -21,6 +22,10 @@ class GenerationParams:
     block_length: int | None = None   # None = 32 when it divides max_tokens, else max_tokens
     remasking: str = "low_confidence"
     cfg_scale: float = 0.0
+    cache: str = "none"               # none | prefix | dual (Fast-dLLM's caches)
+    threshold: float | None = None    # unmask every mask with confidence >= threshold (and the best one)
+    factor: float | None = None       # Fast-dLLM's factor rule instead of a fixed count per step
+    early_stop: bool = True           # stop a row once an end-of-sequence token has nothing masked before it
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -40,6 +45,14 @@ class GenerationParams:
             raise ValueError(f"block_length must be a positive integer, got {self.block_length}")
         if self.steps is not None and self.steps <= 0:
             raise ValueError(f"steps must be a positive integer, got {self.steps}")
+        if self.cache not in CACHE_MODES:
+            raise ValueError(f"cache {self.cache!r} is not a cache mode (choose from {', '.join(CACHE_MODES)})")
+        if self.threshold is not None and not 0 < self.threshold <= 1:
+            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+        if self.factor is not None and self.factor <= 0:
+            raise ValueError(f"factor must be > 0, got {self.factor}")
+        if self.threshold is not None and self.factor is not None:
+            raise ValueError("threshold and factor are two unmask policies: give one, not both")
 
     def resolved_for_diffusion(self) -> "GenerationParams":
         """Fill the diffusion defaults and check the block/step arithmetic of LLaDA's sampler."""

@@ -6,25 +6,14 @@ They are written exactly as a real checkpoint is (config.json + model.safetensor
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kstep.models import ModelConfig, Transformer
+from kstep.train.bpe import EOS, MASK, PAD, SPECIAL_TOKENS, save_tokenizer, train_byte_level_bpe
 from kstep.weights import save_checkpoint
 
-SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|mask|>", "<|im_start|>", "<|im_end|>"]
+# A ChatML-style template, so that tests exercise a template with end-of-turn markers.
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def byte_level_tokenizer(corpus: list[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE (GPT-2 style) trained on `corpus`; special tokens take ids 0..4."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    return tok
 
 
 def tiny_config(family: str, vocab_size: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
@@ -35,15 +24,15 @@ def tiny_config(family: str, vocab_size: int, d_model: int = 64, n_layers: int =
         family=family, is_causal=family != "llada", vocab_size=vocab_size, embedding_size=embedding_size,
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=d_model // n_heads,
         ffn_dim=ffn_dim, norm_eps=1e-5, rope_theta=10000.0, max_positions=max_positions,
-        mask_token_id=SPECIAL_TOKENS.index("<|mask|>") if family == "llada" else None,
-        pad_token_id=SPECIAL_TOKENS.index("<|pad|>"), eos_token_ids=(SPECIAL_TOKENS.index("<|endoftext|>"),))
+        mask_token_id=SPECIAL_TOKENS.index(MASK) if family == "llada" else None,
+        pad_token_id=SPECIAL_TOKENS.index(PAD), eos_token_ids=(SPECIAL_TOKENS.index(EOS),))
 
 
 def write_random_checkpoint(out: str | Path, family: str = "llada", seed: int = 0, **sizes) -> Path:
     """Write a random-weight checkpoint with a byte-level tokenizer into `out`; returns the path."""
     out = Path(out)
     corpus = [Path(__file__).read_text()]  # any text will do: the merges only shape the tokenizer
-    tokenizer = byte_level_tokenizer(corpus, vocab_size=sizes.pop("vocab_size", 500))
+    tokenizer = train_byte_level_bpe(corpus, vocab_size=sizes.pop("vocab_size", 500))
     cfg = tiny_config(family, tokenizer.get_vocab_size(), **sizes)
     torch.manual_seed(seed)
     model = Transformer(cfg)
@@ -54,10 +43,7 @@ def write_random_checkpoint(out: str | Path, family: str = "llada", seed: int = 
             else:
                 p.uniform_(0.8, 1.2)  # norms: not exactly one, so a wrong norm is caught
     save_checkpoint(model, out)
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        '{"eos_token": "<|endoftext|>", "pad_token": "<|pad|>", "mask_token": "<|mask|>", '
-        f'"chat_template": {__import__("json").dumps(CHAT_TEMPLATE)}}}\n')
+    save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
     (out / "README.md").write_text(f"# Random weights ({family})\n\nWritten by `kstep random-checkpoint` "
                                    f"(seed {seed}). The weights are random: the output is noise.\n")
     return out

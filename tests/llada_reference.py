@@ -5,6 +5,11 @@
 - `reference_generate`: the semantics of ML-GSAI/LLaDA `generate.py` (commit b7e6c35): full-canvas
   logits every step, per-row top-k over the whole canvas with -inf confidence outside the current
   block, `get_num_transfer_tokens`' even split, unsupervised CFG with the prompt masked.
+- `fast_dllm_generate`: the semantics of NVlabs/Fast-dLLM `llada/generate.py` (commit f6b35ec)
+  `generate` / `generate_with_prefix_cache` / `generate_with_dual_cache` with the fixed schedule
+  or `threshold`, batch size 1 as there: the cache holds pre-rotary keys as LLaDA's model code
+  does; the prefix mode concatenates the prefix cache with a fresh pass over [block start, end);
+  the dual mode overwrites the block's slots of the full cache and attends to all of it.
 Written for clarity, with per-row loops, exactly as the reference orders its operations.
 """
 import json
@@ -24,16 +29,23 @@ class ReferenceLLaDA:
         x32 = x.float()
         return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.c["rms_norm_eps"])).to(x.dtype)
 
-    def _rope(self, t, L):
-        hd = t.shape[-1]
+    def _rope(self, t, first_position=0):
+        """Rotary for t (B, H, T, hd) at positions first_position .. first_position + T - 1."""
+        hd, T = t.shape[-1], t.shape[2]
         inv = 1.0 / (self.c["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
-        freqs = torch.einsum("i,j->ij", torch.arange(L).float(), inv)
+        freqs = torch.einsum("i,j->ij", torch.arange(first_position, first_position + T).float(), inv)
         pos = torch.cat([freqs, freqs], -1)
         x1, x2 = t[..., : hd // 2], t[..., hd // 2:]
         return t * pos.cos() + torch.cat([-x2, x1], -1) * pos.sin()
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward(x, attention_mask)[0]
+
+    @torch.no_grad()
+    def forward(self, x, attention_mask=None, past=None, replace_start=None):
+        """Logits and per-layer pre-rotary (k, v). `past` without `replace_start`: keys = past + new
+        (queries sit after the past); with `replace_start`: new keys overwrite past slots from there."""
         c, w = self.c, self.w
         B, L = x.shape
         H, Hkv, D = c["n_heads"], c["n_kv_heads"], c["d_model"]
@@ -42,14 +54,26 @@ class ReferenceLLaDA:
         bias = None
         if attention_mask is not None:
             bias = torch.zeros(B, 1, 1, L).masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+        present = []
         for i in range(c["n_layers"]):
             p = f"model.transformer.blocks.{i}."
             a = self._norm(h, w[p + "attn_norm.weight"])
             q = (a @ w[p + "q_proj.weight"].T).view(B, L, H, hd).transpose(1, 2)
             k = (a @ w[p + "k_proj.weight"].T).view(B, L, Hkv, hd).transpose(1, 2)
             v = (a @ w[p + "v_proj.weight"].T).view(B, L, Hkv, hd).transpose(1, 2)
+            q_start = 0
+            if past is not None and replace_start is None:
+                q_start = past[i][0].shape[2]
+                k, v = torch.cat([past[i][0], k], 2), torch.cat([past[i][1], v], 2)
+            elif past is not None:
+                q_start = replace_start
+                k, v = past[i][0].clone(), past[i][1].clone()
+                new_k = (a @ w[p + "k_proj.weight"].T).view(B, L, Hkv, hd).transpose(1, 2)
+                new_v = (a @ w[p + "v_proj.weight"].T).view(B, L, Hkv, hd).transpose(1, 2)
+                k[:, :, replace_start:replace_start + L], v[:, :, replace_start:replace_start + L] = new_k, new_v
+            present.append((k, v))
             k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
-            q, k = self._rope(q, L), self._rope(k, L)
+            q, k = self._rope(q, q_start), self._rope(k)
             scores = q @ k.transpose(-1, -2) / hd ** 0.5
             if bias is not None:
                 scores = scores + bias
@@ -60,7 +84,7 @@ class ReferenceLLaDA:
             h = h + gated @ w[p + "ff_out.weight"].T
         h = self._norm(h, w["model.transformer.ln_f.weight"])
         head = w["model.transformer.wte.weight"] if c["weight_tying"] else w["model.transformer.ff_out.weight"]
-        return (h @ head.T)[..., : c["vocab_size"]]
+        return (h @ head.T)[..., : c["vocab_size"]], present
 
 
 def _num_transfer_tokens(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
@@ -109,3 +133,72 @@ def reference_generate(model, prompt, attention_mask=None, steps=128, gen_length
                 chosen[row, torch.topk(confidence[row], k=int(transfer[row, i])).indices] = True
             x[chosen] = x0[chosen]
     return x
+
+
+def _fast_dllm_transfer(logits, mask_index, x, num_transfer, threshold):
+    """Fast-dLLM's `get_transfer_index` at temperature 0 with low_confidence, for a batch of one."""
+    x0 = logits.argmax(-1)
+    x0_p = torch.gather(F.softmax(logits.double(), -1), -1, x0.unsqueeze(-1)).squeeze(-1)
+    x0 = torch.where(mask_index, x0, x)
+    confidence = torch.where(mask_index, x0_p, torch.tensor(float("-inf"), dtype=torch.float64))
+    k = int(mask_index.sum()) if threshold is not None else int(num_transfer)
+    chosen = torch.zeros_like(x0, dtype=torch.bool)
+    top = torch.topk(confidence[0], k=k).indices
+    chosen[0, top] = True
+    if threshold is not None:
+        for j in range(1, k):
+            if confidence[0, top[j]] < threshold:
+                chosen[0, top[j]] = False
+    return x0, chosen
+
+
+@torch.no_grad()
+def fast_dllm_generate(model, prompt, cache, steps, gen_length, block_length, mask_id, threshold=None):
+    """Returns (canvas, nfe) as Fast-dLLM's generate / _with_prefix_cache / _with_dual_cache."""
+    P = prompt.shape[1]
+    x = torch.full((1, P + gen_length), mask_id, dtype=torch.long)
+    x[:, :P] = prompt
+    num_blocks = gen_length // block_length
+    steps_per_block = steps // num_blocks
+    nfe = 0
+    for b in range(num_blocks):
+        start, end = P + b * block_length, P + (b + 1) * block_length
+        transfer = _num_transfer_tokens(x[:, start:end] == mask_id, steps_per_block)
+        if cache == "none":
+            i = 0
+            while True:
+                nfe += 1
+                mask_index = x == mask_id
+                mask_index[:, end:] = False
+                x0, chosen = _fast_dllm_transfer(model(x), mask_index, x, transfer[0, min(i, steps_per_block - 1)],
+                                                 threshold)
+                x[chosen] = x0[chosen]
+                i += 1
+                if not (x[:, start:end] == mask_id).any():
+                    break
+            continue
+        logits, past = model.forward(x)
+        mask_index = x == mask_id
+        mask_index[:, end:] = False
+        x0, chosen = _fast_dllm_transfer(logits, mask_index, x, transfer[0, 0], threshold)
+        x[chosen] = x0[chosen]
+        nfe += 1
+        if cache == "prefix":
+            past = [(k[:, :, :start], v[:, :, :start]) for k, v in past]
+        i = 1
+        while (x[:, start:end] == mask_id).any():
+            nfe += 1
+            if cache == "prefix":
+                window = x[:, start:]
+                logits, _ = model.forward(window, past=past)
+                mask_index = window == mask_id
+                mask_index[:, block_length:] = False
+            else:
+                window = x[:, start:end]
+                logits, past = model.forward(window, past=past, replace_start=start)
+                mask_index = window == mask_id
+            x0, chosen = _fast_dllm_transfer(logits, mask_index, window, transfer[0, min(i, steps_per_block - 1)],
+                                             threshold)
+            window[chosen] = x0[chosen]
+            i += 1
+    return x, nfe

@@ -10,6 +10,11 @@ PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, it
     dict(max_tokens=32, block_length=8, steps=16),
     dict(max_tokens=16, block_length=16, steps=8, cfg_scale=1.0),
     dict(max_tokens=16, block_length=8, steps=16, remasking="margin"),
+    dict(max_tokens=32, block_length=8, steps=16, cache="prefix"),
+    dict(max_tokens=32, block_length=8, steps=32, cache="dual", threshold=0.1),
+    dict(max_tokens=32, block_length=8, steps=32, cache="dual", factor=1.0),
+    dict(max_tokens=16, block_length=8, steps=16, cache="dual", cfg_scale=0.5),
+    dict(max_tokens=32, block_length=8, steps=32, cache="none", threshold=0.1, early_stop=True),
 ])
 def test_diffusion_batch_equals_single(llada_path, settings):
     llm = kstep.load(llada_path)

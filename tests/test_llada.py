@@ -98,3 +98,22 @@ def test_bfloat16_runs(llada_path, llama_path):
     assert diffusion.nfe == 8 and len(diffusion.token_ids) <= 16
     ar = kstep.load(llama_path, dtype="bfloat16").generate("def f(x):", max_tokens=16)[0]
     assert 1 <= ar.nfe <= 16 and len(ar.token_ids) <= 16
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("policy", [dict(), dict(threshold=0.05), dict(threshold=0.5)])
+def test_cache_modes_match_fast_dllm(llada_path, cache, policy):
+    """cache=none|prefix|dual with the fixed schedule or a threshold = Fast-dLLM's three generate functions."""
+    from llada_reference import fast_dllm_generate
+    llm = kstep.load(llada_path)
+    ref = ReferenceLLaDA(llada_path)
+    prompt = prompt_ids(6, 4, llm.cfg.vocab_size)
+    expected, expected_nfe = fast_dllm_generate(ref, torch.tensor([prompt]), cache, steps=16, gen_length=32,
+                                                block_length=8, mask_id=llm.cfg.mask_token_id, **policy)
+    got = llm.generate(prompt, max_tokens=32, block_length=8, steps=16, cache=cache, early_stop=False, **policy)[0]
+    canvas = expected[0, len(prompt):].tolist()
+    cut = next((i for i, t in enumerate(canvas) if t in llm.stop_ids), len(canvas))
+    assert got.token_ids == canvas[:cut]
+    assert got.nfe == expected_nfe
+    if cache != "none":
+        assert got.timings["num_full_passes"] == 4 and got.timings["num_window_passes"] == got.nfe - 4

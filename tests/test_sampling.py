@@ -1,7 +1,8 @@
 """Sampling, filtering, schedule and unmask selection on hand-made tensors."""
 import torch
 
-from kstep.decoding.masked_diffusion import unmask_top
+from kstep.decoding.masked_diffusion import fill_after_stop
+from kstep.decoding.unmask import choose_factor, choose_threshold, choose_top
 from kstep.decoding.sampling import filter_logits, sample_tokens
 from kstep.decoding.schedule import num_transfer_tokens
 
@@ -32,10 +33,47 @@ def test_gumbel_max_samples_softmax_at_temperature():
     assert sample_tokens(logits[:2], 0.0).tolist() == [0, 0]
 
 
-def test_unmask_top_picks_most_confident_masked_per_row():
-    block = torch.tensor([[9, 9, 9, 4], [9, 9, 9, 9]])  # 9 = mask
-    candidates = torch.tensor([[1, 2, 3, 0], [5, 6, 7, 8]])
-    confidence = torch.tensor([[0.1, 0.9, 0.5, 1.0], [0.2, 0.1, 0.4, 0.3]])
-    unmask_top(block, candidates, confidence, block == 9, torch.tensor([1, 2]), 2)
-    # Row 0: position 3 is not masked (confidence 1.0 ignored); best masked is 1. Row 1: positions 2, 3.
-    assert block.tolist() == [[9, 2, 9, 4], [9, 9, 7, 8]]
+INF = float("-inf")
+
+
+def test_choose_top_picks_most_confident_per_row():
+    confidence = torch.tensor([[0.1, 0.9, 0.5, INF], [0.2, 0.1, 0.4, 0.3]])  # -inf: not masked
+    chosen = choose_top(confidence, torch.tensor([1, 2]), 2)
+    assert chosen.tolist() == [[False, True, False, False], [False, False, True, True]]
+
+
+def test_choose_threshold_takes_all_above_and_at_least_one():
+    confidence = torch.tensor([[0.95, 0.2, 0.91, INF], [0.3, 0.5, 0.1, INF], [INF, INF, INF, INF]])
+    chosen = choose_threshold(confidence, 0.9) & torch.isfinite(confidence)
+    assert chosen.tolist() == [[True, False, True, False], [False, True, False, False], [False] * 4]
+
+
+def fast_dllm_factor_count(conf: list[float], factor: float) -> int:
+    """Fast-dLLM's `get_transfer_index_dynamic` loop, restated for one row of masked confidences."""
+    ordered = sorted(conf, reverse=True)
+    bars = [-1.0] + [1 - factor / (n + 1) for n in range(2, len(ordered) + 1)]
+    top_i = 0
+    for top_i in range(len(bars)):
+        if ordered[top_i] < bars[top_i]:
+            break
+    return top_i + 1 if top_i in (0, len(bars) - 1) else top_i
+
+
+def test_choose_factor_matches_fast_dllm_loop():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        conf = torch.rand(n, generator=gen) ** 0.3  # skewed towards confident
+        row = torch.cat([conf, torch.full((9 - n,), INF)])[torch.randperm(9, generator=gen)]
+        factor = float(torch.rand(1, generator=gen)) * 2
+        chosen = choose_factor(row[None], factor)[0] & torch.isfinite(row)
+        assert int(chosen.sum()) == fast_dllm_factor_count(conf.tolist(), factor), (conf, factor)
+        count = int(chosen.sum())
+        assert set(torch.topk(row, count).indices.tolist()) == set(chosen.nonzero().flatten().tolist())
+
+
+def test_fill_after_stop_only_when_nothing_masked_before():
+    M, E = 9, 2  # mask, end-of-sequence
+    canvas = torch.tensor([[5, E, M, M, 6], [5, M, E, M, M], [5, 6, 7, M, M]])
+    fill_after_stop(canvas, torch.tensor([E]), M)
+    assert canvas.tolist() == [[5, E, E, E, 6], [5, M, E, M, M], [5, 6, 7, M, M]]

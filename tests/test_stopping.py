@@ -53,3 +53,16 @@ def test_chat_template_renders_and_is_used(llada_path):
     assert ids[0] == llm.tokenizer.token_to_id("<|im_start|>")
     # The end-of-turn marker of the template stops generation too.
     assert llm.tokenizer.token_to_id("<|im_end|>") in llm.stop_ids
+
+
+def test_diffusion_early_stop_saves_passes_without_changing_output(tmp_path, llada_path):
+    llm = kstep.load(llada_path)
+    settings = dict(max_tokens=64, block_length=8, steps=64)
+    first = llm.generate("def f(x):", **settings, early_stop=False)[0]
+    eos = first.token_ids[5]  # declare a token of the first block to be end-of-sequence
+    copy = kstep.load(copy_checkpoint(llada_path, tmp_path / "e", eos_token_id=eos))
+    for cache in ("none", "dual"):
+        full = copy.generate("def f(x):", **settings, cache=cache, early_stop=False)[0]
+        early = copy.generate("def f(x):", **settings, cache=cache)[0]
+        assert early.token_ids == full.token_ids and early.finish_reason == full.finish_reason == "stop"
+        assert early.nfe < full.nfe == 64

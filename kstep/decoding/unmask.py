@@ -39,3 +39,36 @@ def confidence_rule(name: str) -> ConfidenceRule:
     if name not in UNMASK_RULES:
         raise ValueError(f"remasking {name!r} is not a known unmask rule (choose from {', '.join(UNMASK_RULES)})")
     return UNMASK_RULES[name]
+
+
+# --- How many to unmask: the unmask policies ------------------------------------------------------
+# Each returns a (B, T) bool choice among the masked positions of the block, given their confidence
+# (-inf where not masked). All are batched: no per-row loop, no host sync.
+
+def choose_top(confidence: torch.Tensor, num_unmask: torch.Tensor, max_unmask: int) -> torch.Tensor:
+    """The `num_unmask[b]` most confident positions of each row (torch.topk order, as the references)."""
+    top = confidence.topk(min(max_unmask, confidence.shape[-1]), dim=-1).indices  # (B, k)
+    keep = torch.arange(top.shape[-1], device=confidence.device) < num_unmask.unsqueeze(1)  # (B, k)
+    return torch.zeros_like(confidence, dtype=torch.bool).scatter_(-1, top, keep)
+
+
+def choose_threshold(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Fast-dLLM's threshold rule: every masked position with confidence >= threshold, and always the
+    single most confident one (so each pass unmasks at least one token)."""
+    best = torch.zeros_like(confidence, dtype=torch.bool).scatter_(-1, confidence.argmax(-1, keepdim=True), True)
+    return (confidence >= threshold) | best
+
+
+def choose_factor(confidence: torch.Tensor, factor: float) -> torch.Tensor:
+    """Fast-dLLM's factor rule (`get_transfer_index_dynamic`): sort the masked confidences; the n-th
+    (1-based) passes if it is >= 1 - factor / (n + 1), the first always passes; unmask the run before
+    the first failure. Quirk kept for parity: a failure at the last masked position unmasks all."""
+    num_masked = torch.isfinite(confidence).sum(-1, keepdim=True)  # (B, 1)
+    ordered = confidence.sort(dim=-1, descending=True).values  # (B, T)
+    n = torch.arange(1, confidence.shape[-1] + 1, device=confidence.device)
+    bar = (1 - factor / (n + 1)).to(ordered.dtype)
+    bar[0] = float("-inf")
+    fails = (ordered < bar) & (n <= num_masked)  # (B, T)
+    first_fail = torch.where(fails.any(-1, keepdim=True), fails.float().argmax(-1, keepdim=True), num_masked)
+    count = torch.where(first_fail >= num_masked - 1, num_masked, first_fail).squeeze(-1)  # (B,)
+    return choose_top(confidence, count, confidence.shape[-1])

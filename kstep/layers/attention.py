@@ -22,8 +22,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 is_causal: bool, cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache_start: int = 0) -> torch.Tensor:
-        """x (B, T, D); mask bool (B, 1, T|1, S), True = may attend; cache (k, v) each (B, Hkv, S_max, hd)."""
+                cache_start: int = 0, cache_len: int | None = None) -> torch.Tensor:
+        """x (B, T, D); mask bool (B, 1, T|1, S), True = may attend; cache (k, v) each (B, Hkv, S_max, hd).
+
+        With a cache, this pass's keys/values are written at [cache_start, cache_start + T) and the
+        queries attend to cache slots [0, cache_len) (default: up to this pass's end). Slots past the
+        written window hold keys from an earlier pass (Fast-dLLM's DualCache suffix)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
@@ -34,7 +38,8 @@ class Attention(nn.Module):
             end = cache_start + T
             k_cache[:, :, cache_start:end] = k
             v_cache[:, :, cache_start:end] = v
-            k, v = k_cache[:, :, :end], v_cache[:, :, :end]  # views: no copy
+            length = end if cache_len is None else cache_len
+            k, v = k_cache[:, :, :length], v_cache[:, :, :length]  # views: no copy
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal and mask is None and T == k.shape[2],
             enable_gqa=self.n_heads != self.n_kv_heads)  # (B, H, T, hd)

@@ -23,8 +23,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, mask, is_causal, cache=None, cache_start=0):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, is_causal, cache, cache_start)
+    def forward(self, x, cos, sin, mask, is_causal, cache=None, cache_start=0, cache_len=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, is_causal, cache, cache_start, cache_len)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -44,14 +44,15 @@ class Transformer(nn.Module):
                                       self.cfg.rope_scaling).to(device)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                      caches: list | None = None, cache_start: int = 0) -> torch.Tensor:
+                      caches: list | None = None, cache_start: int = 0, cache_len: int | None = None) -> torch.Tensor:
         """Final-norm hidden states (B, T, D) for input_ids (B, T) at positions (B, T)."""
         x = self.embed(input_ids)  # (B, T, D)
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, self.cfg.is_causal, None if caches is None else caches[i], cache_start)
+            x = layer(x, cos, sin, mask, self.cfg.is_causal, None if caches is None else caches[i], cache_start,
+                      cache_len)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

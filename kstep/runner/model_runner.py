@@ -1,7 +1,8 @@
 """The model runner: owns the model, its KV buffers, and every forward pass.
 
 Decoders ask it for logits; they never touch the model. It builds positions and attention masks
-from per-row padding so that a left-padded row computes what it would compute alone.
+from per-row padding so that a left-padded row computes what it would compute alone. KV buffers
+are allocated once per generation (`allocate_kv`), never per step.
 """
 import torch
 
@@ -21,22 +22,6 @@ class ModelRunner:
         self.dtype = model.embed.weight.dtype
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    @torch.inference_mode()
-    def full_logits(self, ids: torch.Tensor, key_mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
-        """One bidirectional pass over ids (B, L); logits only for positions [start, end): (B, end-start, V).
-
-        Computing the LM head for the positions that can change, not the whole canvas, keeps
-        memory from growing with canvas x vocabulary.
-        """
-        if key_mask is None:
-            positions = torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
-            mask = None
-        else:
-            positions = positions_from_padding(key_mask)
-            mask = key_mask[:, None, None, :]  # (B, 1, 1, L)
-        hidden = self.model.hidden_states(ids, positions, mask)  # (B, L, D)
-        return self.model.logits(hidden[:, start:end])
-
     def allocate_kv(self, batch: int, length: int) -> None:
         """Preallocate the KV cache once per generation: no per-step allocation or concatenation."""
         if length > self.cfg.max_positions:
@@ -44,6 +29,37 @@ class ModelRunner:
         shape = (batch, self.cfg.n_kv_heads, length, self.cfg.head_dim)
         self.kv = [(torch.empty(shape, device=self.device, dtype=self.dtype),
                     torch.empty(shape, device=self.device, dtype=self.dtype)) for _ in range(self.cfg.n_layers)]
+
+    def _positions(self, key_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
+        if key_mask is None:
+            return torch.arange(length, device=self.device).expand(batch, -1)
+        return positions_from_padding(key_mask)
+
+    @torch.inference_mode()
+    def full_logits(self, ids: torch.Tensor, key_mask: torch.Tensor | None, start: int, end: int,
+                    write_cache: bool = False) -> torch.Tensor:
+        """One bidirectional pass over ids (B, L); logits only for positions [start, end): (B, end-start, V).
+        With write_cache, every position's keys/values are stored for later window passes.
+
+        Computing the LM head for the positions that can change, not the whole canvas, keeps
+        memory from growing with canvas x vocabulary.
+        """
+        mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, L)
+        positions = self._positions(key_mask, *ids.shape)
+        hidden = self.model.hidden_states(ids, positions, mask, self.kv if write_cache else None, 0)  # (B, L, D)
+        return self.model.logits(hidden[:, start:end])
+
+    @torch.inference_mode()
+    def window_logits(self, ids: torch.Tensor, key_mask: torch.Tensor | None, start: int, end: int,
+                      attend_len: int, num_logits: int) -> torch.Tensor:
+        """Bidirectional pass over only ids[:, start:end] of the canvas ids (B, L), attending to cached
+        keys/values of slots [0, attend_len) with this window's fresh ones written in place; logits for
+        the window's first `num_logits` positions: (B, num_logits, V). Fast-dLLM's prefix cache runs
+        the window [block start, L); its DualCache runs the block alone."""
+        mask = None if key_mask is None else key_mask[:, None, None, :attend_len]  # (B, 1, 1, S)
+        positions = self._positions(key_mask, *ids.shape)[:, start:end]
+        hidden = self.model.hidden_states(ids[:, start:end], positions, mask, self.kv, start, attend_len)
+        return self.model.logits(hidden[:, :num_logits])
 
     @torch.inference_mode()
     def causal_logits(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None,

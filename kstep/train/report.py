@@ -1,0 +1,131 @@
+"""`kstep train-report`: training curves, held-out metrics, side-by-side samples and model cards
+for a trained diffusion / AR pair.
+
+Metrics are per token in nats on the held-out split: the AR model's NLL, and for the diffusion
+model the Monte-Carlo ELBO bound on its NLL (LLaDA's `get_log_likelihood`), on the same windows.
+"""
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import kstep
+from kstep.train import data
+from kstep.train.corpus import function_examples
+from kstep.train.objectives import ar_nll, diffusion_nll_bound
+from kstep.weights import read_json
+
+SAMPLE_TOKENS = 64
+
+
+def read_log(model_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (model_dir / "train_log.jsonl").read_text().splitlines()]
+
+
+def plot_curves(runs: dict[str, Path], png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for (label, model_dir), color in zip(runs.items(), ("tab:blue", "tab:orange", "tab:green")):
+        log = read_log(model_dir)
+        tokens = [e["tokens"] / 1e6 for e in log]
+        losses = [e["loss"] for e in log]
+        window = 25
+        smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
+                  for i in range(len(losses))]
+        ax.plot(tokens, smooth, color=color, label=f"{label}: train loss (mean of {window} steps)")
+        held = [(e["tokens"] / 1e6, e["held_out_nll"]) for e in log if "held_out_nll" in e]
+        if held:
+            ax.plot(*zip(*held), "o--", color=color, markersize=4, label=f"{label}: held-out NLL (bound)")
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("nats per token")
+    ax.set_ylim(top=min(8.5, ax.get_ylim()[1]))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Bundled models: diffusion (MDM objective) vs AR, same size, data and budget")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def held_out_windows(model_dir: Path, seq_len: int, count: int) -> torch.Tensor:
+    split = read_json(model_dir / "data_split.json")
+    files = [f for f in data.corpus_files(split["corpus"]) if f.rel in set(split["held_out"])]
+    llm_tok = kstep.load(model_dir).tokenizer
+    stream = data.tokenize(llm_tok._tok, data.texts(files), llm_tok.special_id("eos_token"))
+    return data.fixed_windows(stream, count, seq_len)
+
+
+def held_out_nll(model_dir: Path, windows: torch.Tensor, mc_samples: int) -> float:
+    llm = kstep.load(model_dir)
+    if llm.is_diffusion:
+        nll = diffusion_nll_bound(llm.model, windows, llm.cfg.mask_token_id, mc_samples,
+                                  torch.Generator().manual_seed(0))
+        return float(nll.sum() / windows.numel())
+    return float(ar_nll(llm.model, windows).sum() / (windows.numel() - len(windows)))
+
+
+def samples(runs: dict[str, Path], count: int) -> list[dict]:
+    split = read_json(next(iter(runs.values())) / "data_split.json")
+    files = [f for f in data.corpus_files(split["corpus"]) if f.rel in set(split["held_out"])]
+    examples = [e for e in function_examples(files) if len(e.prompt) < 400][:count]
+    rows = [{"function": f"{e.file}:{e.name}", "prompt": e.prompt, "reference": e.body} for e in examples]
+    for label, model_dir in runs.items():
+        llm = kstep.load(model_dir)
+        for row in rows:
+            [result] = llm.generate(row["prompt"], max_tokens=SAMPLE_TOKENS)
+            row[label] = {"text": result.text, "nfe": result.nfe, "seconds": round(result.seconds, 2)}
+    return rows
+
+
+def model_card(model_dir: Path, title: str, metrics: dict, reproduce: str) -> str:
+    cfg = read_json(model_dir / "train_config.json")
+    log = read_log(model_dir)
+    llm = kstep.load(model_dir)
+    wall = sum(4096 / e["tokens_per_s"] for e in log if e.get("tokens_per_s")) / 60 if log else 0
+    size_mib = (model_dir / "model.safetensors").stat().st_size / 2**20
+    return f"""# {title}
+
+Trained from scratch on this project's machines with `kstep train`. Small and weak by design: it
+exists so that kstep works offline out of the box and so that the diffusion and AR paths can be
+compared on equal terms (same size, tokenizer, data and budget). Do not expect useful code.
+
+| | |
+|---|---|
+| objective | {cfg['objective']} ({'LLaDA masked diffusion: t ~ U(eps, 1], mask w.p. t, CE on masks / t' if cfg['objective'] == 'diffusion' else 'next-token cross-entropy'}) |
+| layout | `{llm.cfg.family}` ({'bidirectional' if llm.is_diffusion else 'causal'}), {llm.cfg.num_params / 1e6:.2f} M parameters, d_model {cfg['d_model']}, {cfg['n_layers']} layers, {cfg['n_heads']} heads, SwiGLU {cfg['ffn_dim']}, untied head |
+| weights | bfloat16 safetensors, {size_mib:.1f} MiB |
+| tokenizer | byte-level BPE, {llm.cfg.vocab_size} tokens, trained on the training split (special: `<\\|pad\\|>`, `<\\|endoftext\\|>`, `<\\|mask\\|>`) |
+| data | the Python {'.'.join(map(str, __import__('sys').version_info[:2]))} standard library, no tests / vendored code / generated tables; split by file (5% held out, `data_split.json`) |
+| budget | {log[-1]['tokens'] / 1e6:.2f} M tokens ({len(log)} steps of {cfg['batch_size']} x {cfg['seq_len']}), about {wall:.0f} min at {cfg['threads'] or 'all'} thread(s) on 2 CPU cores (AdamW, lr {cfg['lr']}, warmup {cfg['warmup_steps']}, cosine to {cfg['min_lr_ratio']}x) |
+| context | trained on {cfg['seq_len']}-token windows: longer canvases are out of distribution |
+| held-out | {', '.join(f'{k}: {v:.3f}' for k, v in metrics.items())} nats/token |
+
+Reproduce:
+
+```bash
+{reproduce}
+```
+
+Files: `train_log.jsonl` (loss, learning rate, tokens/s per step; held-out NLL every
+{cfg['eval_every']} steps), `train_config.json`, `data_split.json`.
+"""
+
+
+def write_report(runs: dict[str, Path], out: Path, mc_samples: int = 16, windows: int = 64,
+                 num_samples: int = 3) -> dict:
+    """Curves PNG, metrics and samples JSON, and a Markdown section; returns the metrics."""
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    plot_curves(runs, out / "training_curves.png")
+    first = next(iter(runs.values()))
+    seq_len = read_json(first / "train_config.json")["seq_len"]
+    batch = held_out_windows(first, seq_len, windows)
+    metrics = {label: held_out_nll(path, batch, mc_samples) for label, path in runs.items()}
+    rows = samples(runs, num_samples)
+    result = {"held_out_nll_per_token": metrics, "held_out_windows": len(batch), "seq_len": seq_len,
+              "mc_samples": mc_samples, "samples": rows, "seconds": round(time.time() - start, 1)}
+    (out / "training_report.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Reproduce the bundled models (kstep/bundled/*): the diffusion/AR pair trains concurrently, one
+# thread each (two 1-thread processes get more from 2 cores than one 2-thread process), then the
+# draft model; then the report. About 60 + 10 minutes on 2 CPU cores. Not part of CI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${RUNS:-runs}
+KSTEP=.venv/bin/kstep
+COMMON=(--seq-len 512 --batch-size 8 --token-budget 4200000 --eval-every 128 --eval-windows 16 --save-every 128 --threads 1)
+mkdir -p "$RUNS"
+$KSTEP train --objective diffusion --out "$RUNS/default" "${COMMON[@]}" > "$RUNS/default.log" 2>&1 &
+while [ ! -f "$RUNS/default/tokenizer.json" ]; do sleep 2; done   # the twin shares the diffusion run's tokenizer
+$KSTEP train --objective ar --out "$RUNS/default-ar" --tokenizer "$RUNS/default" "${COMMON[@]}" > "$RUNS/default-ar.log" 2>&1 &
+wait
+$KSTEP train --objective ar --out "$RUNS/default-draft" --tokenizer "$RUNS/default" --d-model 128 --n-layers 3 \
+  --n-heads 2 --n-kv-heads 2 --ffn-dim 352 --seq-len 512 --batch-size 8 --token-budget 3000000 \
+  --eval-every 128 --eval-windows 16 --save-every 128 --threads 2 > "$RUNS/default-draft.log" 2>&1
+$KSTEP train-report --model diffusion="$RUNS/default" --model ar="$RUNS/default-ar" --model draft="$RUNS/default-draft" \
+  --out docs
+for name in default default-ar default-draft; do
+  mkdir -p "kstep/bundled/$name"
+  cp "$RUNS/$name"/{config.json,model.safetensors,tokenizer.json,tokenizer_config.json,train_log.jsonl,train_config.json,data_split.json} "kstep/bundled/$name/"
+done
