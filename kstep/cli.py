@@ -64,6 +64,24 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", required=True, help="where training_curves.png and training_report.json go")
     report.add_argument("--mc-samples", type=int, default=16, help="Monte-Carlo samples for the diffusion bound")
     report.add_argument("--windows", type=int, default=64, help="held-out windows to score")
+    report.add_argument("--write-cards", action="store_true", help="also write a README.md model card per model")
+    bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    decode = bench_sub.add_parser("decode", help="diffusion decoding modes vs the exact sampler")
+    decode.add_argument("--model", action="append", default=None,
+                        help="a diffusion checkpoint or bundled name (repeat; default: the bundled `default`)")
+    decode.add_argument("--lengths", default="64,256,1024", help="canvas lengths N, comma-separated")
+    decode.add_argument("--block-length", type=int, default=32)
+    decode.add_argument("--modes", default="exact,prefix,dual,dual+threshold")
+    decode.add_argument("--no-large", dest="large", action="store_false",
+                        help="skip the ~110M random LLaDA-layout model")
+    decode.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    decode.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    decode.add_argument("--threads", type=int, default=None)
+    decode.add_argument("--max-cell-seconds", type=float, default=60.0,
+                        help="extrapolate fixed-schedule cells whose full run would take longer")
+    decode.add_argument("--no-extrapolate", dest="extrapolate", action="store_false")
+    decode.add_argument("--out", default="out/bench")
     rand = sub.add_parser("random-checkpoint", help="write a small random-weight checkpoint (tests, demos)")
     rand.add_argument("--family", default="llada", choices=["llada", "llama"])
     rand.add_argument("--out", required=True)
@@ -94,6 +112,11 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def kstep_is_diffusion(path) -> bool:
+    from kstep.weights import read_model_config
+    return not read_model_config(path).is_causal
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -104,6 +127,21 @@ def main(argv: list[str] | None = None) -> int:
             from kstep.train.trainer import Trainer, TrainConfig
             fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
             print(Trainer(TrainConfig(**fields)).train(resume=args.resume))
+            return 0
+        if args.command == "bench" and args.bench == "decode":
+            from pathlib import Path
+
+            from kstep.bench.decode import MODES, format_table, run_bench
+            lengths = [int(n) for n in args.lengths.split(",")]
+            modes = args.modes.split(",")
+            bad = [m for m in modes if m not in MODES]
+            if bad:
+                raise ValueError(f"--modes: {bad[0]!r} is not a mode (choose from {', '.join(MODES)})")
+            if "exact" not in modes:
+                raise ValueError("--modes must include exact: every speedup is measured against it")
+            rows = run_bench(args.model or ["default"], lengths, args.block_length, modes, args.device, args.dtype,
+                             Path(args.out), args.max_cell_seconds, args.extrapolate, args.threads, args.large)
+            print(format_table(rows))
             return 0
         if args.command == "train-report":
             from pathlib import Path
@@ -116,7 +154,15 @@ def main(argv: list[str] | None = None) -> int:
                     raise ValueError(f"--model {item!r} must be LABEL=DIR with an existing directory")
                 runs[label] = Path(path)
             result = write_report(runs, Path(args.out), args.mc_samples, args.windows)
-            print(json.dumps(result["held_out_nll_per_token"]))
+            metrics = result["held_out_nll_per_token"]
+            if args.write_cards:
+                from kstep.train.report import write_model_card
+                for label, path in runs.items():
+                    name = "NLL bound (ELBO)" if kstep_is_diffusion(path) else "NLL"
+                    write_model_card(path, f"kstep bundled model: {label} ({path.name})",
+                                     {f"{name}, {lab}" if lab != label else name: v for lab, v in metrics.items()
+                                      if lab == label})
+            print(json.dumps(metrics))
             return 0
         if args.command == "random-checkpoint":
             from kstep.random_checkpoint import write_random_checkpoint

@@ -4,6 +4,7 @@ Owns prompt validation, left padding, stop-token cutting and detokenising; the d
 delegated to the decoder the checkpoint's family calls for (diffusion or autoregressive).
 """
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -94,7 +95,7 @@ class LLM:
         """Generate for one prompt or a batch (text or token ids); one result per prompt, in order."""
         params = params or GenerationParams()
         if overrides:
-            params = GenerationParams(**{**{f: getattr(params, f) for f in params.__slots__}, **overrides})
+            params = replace(params, **overrides)
         is_single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         batch = [self.encode_prompt(p) for p in ([prompts] if is_single else prompts)]
         if not batch:
@@ -115,6 +116,7 @@ class LLM:
         else:
             out = generate_autoregressive(self.runner, ids, key_mask, params, stop, self.pad_id, generator)
             timings = {"prefill_seconds": out.prefill_seconds, "decode_seconds": out.seconds - out.prefill_seconds}
+        self.runner.free_kv()
         seconds = time.perf_counter() - start
         results = []
         for prompt, row in zip(batch, out.completions.tolist()):

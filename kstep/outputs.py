@@ -24,4 +24,5 @@ class GenerationResult:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "nfe": self.nfe, "seconds": round(self.seconds, 6), "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
-                "tokens_per_forward": round(self.tokens_per_forward, 4)}
+                "tokens_per_forward": round(self.tokens_per_forward, 4),
+                "timings": {k: round(v, 6) if isinstance(v, float) else v for k, v in self.timings.items()}}

@@ -51,6 +51,9 @@ class GenerationParams:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         if self.factor is not None and self.factor <= 0:
             raise ValueError(f"factor must be > 0, got {self.factor}")
+        if (self.threshold is not None or self.factor is not None) and self.remasking == "entropy":
+            raise ValueError("threshold and factor compare confidences with probabilities; remasking 'entropy' "
+                             "scores negative entropy: use low_confidence, margin or random")
         if self.threshold is not None and self.factor is not None:
             raise ValueError("threshold and factor are two unmask policies: give one, not both")
 

@@ -33,7 +33,8 @@ def test_exact_sampler_matches_reference(llada_path, gen_length, block_length, s
     prompt = prompt_ids(7, 3, llm.cfg.vocab_size)
     expected = reference_generate(ref, torch.tensor([prompt]), steps=steps, gen_length=gen_length,
                                   block_length=block_length, cfg_scale=cfg_scale, mask_id=llm.cfg.mask_token_id)
-    got = llm.generate(prompt, max_tokens=gen_length, block_length=block_length, steps=steps, cfg_scale=cfg_scale)[0]
+    got = llm.generate(prompt, max_tokens=gen_length, block_length=block_length, steps=steps, cfg_scale=cfg_scale,
+                       early_stop=False)[0]
     canvas = expected[0, len(prompt):].tolist()
     assert llm.cfg.mask_token_id not in canvas
     cut = next((i for i, t in enumerate(canvas) if t in llm.stop_ids), len(canvas))

@@ -35,6 +35,7 @@ def generate_autoregressive(runner: ModelRunner, prompts: torch.Tensor, key_mask
         positions = torch.arange(P, device=prompts.device).expand(B, -1)
     start_time = time.perf_counter()
     logits = runner.causal_logits(prompts, positions, key_mask, 0)  # (B, V)
+    runner.synchronize()
     prefill_seconds = time.perf_counter() - start_time
     next_position = positions[:, -1:] + 1  # (B, 1)
     out = torch.full((B, N), pad_id, dtype=torch.long, device=prompts.device)
@@ -51,4 +52,5 @@ def generate_autoregressive(runner: ModelRunner, prompts: torch.Tensor, key_mask
         logits = runner.causal_logits(token[:, None], next_position, key_mask, P + t)
         next_position += 1
         nfe += 1
+    runner.synchronize()
     return AutoregressiveOutput(out[:, :num_generated], nfe, time.perf_counter() - start_time, prefill_seconds)

@@ -16,7 +16,8 @@ pass at each block start that stores every position's keys/values, then each ste
 from the block start) against the cache.
 
 Early stop: once a row has an end-of-sequence token with nothing masked before it, the rest of its
-canvas can no longer change its completion; its masks become that token and no pass runs for it.
+canvas can no longer change its completion; its masks become that token. Once every row of the
+batch is final (or its blocks are done), no further passes run.
 """
 import time
 from collections.abc import Callable

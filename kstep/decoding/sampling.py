@@ -24,8 +24,11 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
                   top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """(..., V) logits -> (...) token ids."""
-    logits = filter_logits(logits, top_k, top_p)
+    """(..., V) logits -> (...) token ids. Top-k / top-p select from the tempered distribution
+    softmax(logits / T), as transformers and vLLM do."""
+    if top_k is not None or top_p is not None:
+        kept = filter_logits(logits / temperature if temperature > 0 else logits, top_k, top_p)
+        logits = logits.masked_fill(torch.isinf(kept), float("-inf"))
     if temperature == 0:
         return logits.argmax(-1)
     shifted = logits.double() - logits.double().amax(-1, keepdim=True)

@@ -22,6 +22,14 @@ class ModelRunner:
         self.dtype = model.embed.weight.dtype
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
+    def synchronize(self) -> None:
+        """Wait for queued device work (for honest timings on CUDA; a no-op on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def free_kv(self) -> None:
+        self.kv = None
+
     def allocate_kv(self, batch: int, length: int) -> None:
         """Preallocate the KV cache once per generation: no per-step allocation or concatenation."""
         if length > self.cfg.max_positions:
@@ -66,13 +74,12 @@ class ModelRunner:
                       cache_start: int) -> torch.Tensor:
         """Causal pass of ids (B, T) written into the cache at [cache_start, cache_start+T); logits of
         the last position (B, V). key_mask (B, cache_start+T) marks real (non-pad) cache slots."""
-        T = ids.shape[1]
-        mask = None
-        if key_mask is not None:
-            end = cache_start + T
-            mask = key_mask[:, None, None, :end]  # (B, 1, 1, S)
-            if T > 1:
-                causal = torch.ones(T, end, dtype=torch.bool, device=self.device).tril(cache_start)
-                mask = mask & causal  # (B, 1, T, S)
+        T, end = ids.shape[1], cache_start + ids.shape[1]
+        mask = None if key_mask is None else key_mask[:, None, None, :end]  # (B, 1, 1, S)
+        if T > 1 and (mask is not None or cache_start > 0):
+            causal = torch.ones(T, end, dtype=torch.bool, device=self.device).tril(cache_start)  # (T, S)
+            # Each query may see itself, so a left-pad query never has an all-masked row (NaN on some kernels).
+            itself = causal.triu(cache_start)  # (T, S): the diagonal
+            mask = causal if mask is None else (mask & causal) | itself  # (B, 1, T, S)
         hidden = self.model.hidden_states(ids, positions, mask, self.kv, cache_start)  # (B, T, D)
         return self.model.logits(hidden[:, -1])

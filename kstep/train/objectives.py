@@ -62,7 +62,7 @@ def diffusion_nll_bound(model: Transformer, tokens: torch.Tensor, mask_id: int, 
     LLaDA's `get_log_likelihood`: stratified masked counts k, loss = sum CE(masked) / (k / L)."""
     B, L = tokens.shape
     total = torch.zeros(B, device=tokens.device)
-    offset = torch.randint(1, L + 1, (), generator=generator).item()
+    offset = int(torch.randint(1, L + 1, (), generator=generator, device=generator.device))
     for s in range(num_samples):
         k = (offset + round(s * L / num_samples) - 1) % L + 1  # stratified over 1..L
         scores = torch.rand(B, L, generator=generator, device=tokens.device)

@@ -5,6 +5,7 @@ Metrics are per token in nats on the held-out split: the AR model's NLL, and for
 model the Monte-Carlo ELBO bound on its NLL (LLaDA's `get_log_likelihood`), on the same windows.
 """
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -80,11 +81,34 @@ def samples(runs: dict[str, Path], count: int) -> list[dict]:
     return rows
 
 
+def reproduce_command(cfg: dict) -> str:
+    """The `kstep train` command line that made a model, from its train_config.json."""
+    from kstep.train.trainer import TrainConfig
+    defaults = {name: f.default for name, f in TrainConfig.__dataclass_fields__.items()}
+    parts = ["kstep train", f"--objective {cfg['objective']}", f"--out {cfg['out']}"]
+    for name, value in cfg.items():
+        if name in ("objective", "out", "extra") or value == defaults.get(name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        parts.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}")
+    return " ".join(parts)
+
+
+def write_model_card(model_dir: Path, title: str, metrics: dict) -> None:
+    cfg = read_json(model_dir / "train_config.json")
+    reproduce = (f"{reproduce_command(cfg)}\n# or all three bundled models and this report:\n"
+                 "scripts/train_default_models.sh")
+    (model_dir / "README.md").write_text(model_card(model_dir, title, metrics, reproduce))
+
+
 def model_card(model_dir: Path, title: str, metrics: dict, reproduce: str) -> str:
     cfg = read_json(model_dir / "train_config.json")
     log = read_log(model_dir)
     llm = kstep.load(model_dir)
-    wall = sum(4096 / e["tokens_per_s"] for e in log if e.get("tokens_per_s")) / 60 if log else 0
+    step_tokens = cfg["batch_size"] * cfg["seq_len"]
+    wall = sum(step_tokens / e["tokens_per_s"] for e in log if e.get("tokens_per_s")) / 60 if log else 0
+    corpus = (f"the Python {'.'.join(map(str, sys.version_info[:2]))} standard library, no tests / vendored code / "
+              "generated tables" if cfg["corpus"] == "stdlib" else f"the .py/.txt files under `{cfg['corpus']}`")
     size_mib = (model_dir / "model.safetensors").stat().st_size / 2**20
     return f"""# {title}
 
@@ -98,7 +122,7 @@ compared on equal terms (same size, tokenizer, data and budget). Do not expect u
 | layout | `{llm.cfg.family}` ({'bidirectional' if llm.is_diffusion else 'causal'}), {llm.cfg.num_params / 1e6:.2f} M parameters, d_model {cfg['d_model']}, {cfg['n_layers']} layers, {cfg['n_heads']} heads, SwiGLU {cfg['ffn_dim']}, untied head |
 | weights | bfloat16 safetensors, {size_mib:.1f} MiB |
 | tokenizer | byte-level BPE, {llm.cfg.vocab_size} tokens, trained on the training split (special: `<\\|pad\\|>`, `<\\|endoftext\\|>`, `<\\|mask\\|>`) |
-| data | the Python {'.'.join(map(str, __import__('sys').version_info[:2]))} standard library, no tests / vendored code / generated tables; split by file (5% held out, `data_split.json`) |
+| data | {corpus}; split by file (5% held out, `data_split.json`) |
 | budget | {log[-1]['tokens'] / 1e6:.2f} M tokens ({len(log)} steps of {cfg['batch_size']} x {cfg['seq_len']}), about {wall:.0f} min at {cfg['threads'] or 'all'} thread(s) on 2 CPU cores (AdamW, lr {cfg['lr']}, warmup {cfg['warmup_steps']}, cosine to {cfg['min_lr_ratio']}x) |
 | context | trained on {cfg['seq_len']}-token windows: longer canvases are out of distribution |
 | held-out | {', '.join(f'{k}: {v:.3f}' for k, v in metrics.items())} nats/token |

@@ -1,0 +1,1 @@
+"""`kstep bench ...`: measurements, each reported as ratios to a baseline measured in the same run."""

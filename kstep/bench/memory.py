@@ -1,0 +1,35 @@
+"""Peak memory of one generation: CUDA's allocator statistics, or on the CPU the process's peak RSS
+(VmHWM) after resetting it, minus the resident size before the generation."""
+import re
+from pathlib import Path
+
+import torch
+
+
+def _status_kib(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    return int(match.group(1)) if match else 0
+
+
+class PeakMemory:
+    """`with PeakMemory(device) as peak: ...` then `peak.bytes`: extra memory the block needed at its peak."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.bytes = device, 0
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+            self.base = _status_kib("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self.base
+        else:
+            self.bytes = max(0, _status_kib("VmHWM") * 1024 - self.base)
