@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--max-cell-seconds", type=float, default=60.0,
                         help="extrapolate fixed-schedule cells whose full run would take longer")
     decode.add_argument("--no-extrapolate", dest="extrapolate", action="store_false")
+    decode.add_argument("--quality-prompts", type=int, default=8,
+                        help="held-out prompts for the quality check of the bundled pair (0: skip)")
+    decode.add_argument("--quality-length", type=int, default=128)
     decode.add_argument("--out", default="out/bench")
     rand = sub.add_parser("random-checkpoint", help="write a small random-weight checkpoint (tests, demos)")
     rand.add_argument("--family", default="llada", choices=["llada", "llama"])
@@ -142,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_bench(args.model or ["default"], lengths, args.block_length, modes, args.device, args.dtype,
                              Path(args.out), args.max_cell_seconds, args.extrapolate, args.threads, args.large)
             print(format_table(rows))
+            if args.quality_prompts > 0 and (args.model or ["default"]) == ["default"]:
+                from kstep.bench.decode import format_quality, run_quality
+                quality = run_quality("default", "default-ar", args.quality_length, args.block_length,
+                                      args.quality_prompts, Path(args.out))
+                print(f"\nquality at N={args.quality_length}, judged by default-ar:\n" + format_quality(quality))
             return 0
         if args.command == "train-report":
             from pathlib import Path

@@ -14,7 +14,7 @@ $KSTEP train --objective ar --out "$RUNS/default-ar" --tokenizer "$RUNS/default"
 wait
 $KSTEP train --objective ar --out "$RUNS/default-draft" --tokenizer "$RUNS/default" --d-model 128 --n-layers 3 \
   --n-heads 2 --n-kv-heads 2 --ffn-dim 352 --seq-len 512 --batch-size 8 --token-budget 3000000 \
-  --eval-every 128 --eval-windows 16 --save-every 128 --threads 2 > "$RUNS/default-draft.log" 2>&1
+  --eval-every 128 --eval-windows 16 --save-every 128 --threads 1 > "$RUNS/default-draft.log" 2>&1
 $KSTEP train-report --model diffusion="$RUNS/default" --model ar="$RUNS/default-ar" --model draft="$RUNS/default-draft" \
   --out docs
 for name in default default-ar default-draft; do

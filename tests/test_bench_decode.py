@@ -16,3 +16,16 @@ def test_bench_decode_measures_each_mode_against_exact(tmp_path, llada_path):
     saved = json.loads((tmp_path / "bench_decode.json").read_text())
     assert len(saved["rows"]) == 3
     assert "| dual |" in format_table(rows)
+
+
+def test_judge_prefers_its_own_greedy_completion(llama_path):
+    import torch
+
+    import kstep
+    from kstep.eval.metrics import judge_nll
+    judge = kstep.load(llama_path)
+    prompt = judge.encode_prompt("def f(x):")
+    greedy = judge.generate(prompt, max_tokens=12, early_stop=False)[0].token_ids
+    noise = torch.randint(5, judge.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert judge_nll(judge, prompt, greedy) < judge_nll(judge, prompt, noise)
+    assert judge_nll(judge, prompt, []) is None

@@ -77,3 +77,13 @@ def test_fill_after_stop_only_when_nothing_masked_before():
     canvas = torch.tensor([[5, E, M, M, 6], [5, M, E, M, M], [5, 6, 7, M, M]])
     fill_after_stop(canvas, torch.tensor([E]), M)
     assert canvas.tolist() == [[5, E, E, E, 6], [5, M, E, M, M], [5, 6, 7, M, M]]
+
+
+def test_quality_metrics_on_hand_made_completions():
+    from kstep.eval.metrics import distinct_ratio, parses
+    prompt = 'def f(x):\n    """Double x."""\n'
+    assert parses(prompt, "    y = x * 2\n    return y\n")
+    assert parses(prompt, "    return x * 2\n    if x")  # the partial last line is dropped
+    assert not parses(prompt, "    return (x *\n    ]\n")
+    assert parses(prompt, "")  # nothing but the docstring: a body of `pass` is supplied
+    assert distinct_ratio([1, 1, 1, 1]) == 0.25 and distinct_ratio([1, 2, 3]) == 1.0

@@ -4,7 +4,8 @@ measured in the same run, on the bundled model and on a ~100M-parameter random L
 Each cell runs in a fresh subprocess, one at a time. A fixed-schedule cell whose full run would
 exceed `--max-cell-seconds` is extrapolated from a probe with two steps per block: a pass's cost
 depends only on the shapes it runs (canvas, window, block), never on the tokens, so
-time = (full passes' time) + (window passes' time) x (steps per block - 1). Such cells are marked
+time = (full passes' time) + (window passes' time) x (steps per block - 1), or for the exact
+sampler (per full pass) x steps, from a probe with one step per block. Such cells are marked
 `extrapolated`; the per-step work outside the passes (sampling, unmasking) is added at the probe's
 rate. With `--no-extrapolate` every cell runs in full.
 """
@@ -89,7 +90,9 @@ def measure(model: Path, label: str, n: int, block: int, mode: Mode, prompt_ids:
     row = dict(model=label, n=n, block_length=block, mode=mode.name, cache=mode.cache, threshold=mode.threshold,
                early_stop=mode.early_stop, extrapolated=False)
     if extrapolate and mode.threshold is None:
-        probe = run_worker({**spec, "settings": {**settings, "steps": 2 * (n // block)}})
+        # Without a cache every pass is the same full pass: one per block measures it.
+        probe_steps = (1 if mode.cache == "none" else 2) * (n // block)
+        probe = run_worker({**spec, "settings": {**settings, "steps": probe_steps}})
         t = probe["timings"]
         per_block = block  # steps per block in the real run
         pass_seconds = t["full_pass_seconds"] + t["window_pass_seconds"]
@@ -136,6 +139,38 @@ def run_bench(models: list[str], lengths: list[int], block: int, modes: list[str
                                                        "threads": threads or torch.get_num_threads(),
                                                        "rows": rows}, indent=2) + "\n")
     return rows
+
+
+def held_out_prompts(model: Path, count: int) -> list[str]:
+    """Signature + docstring prompts of held-out stdlib functions (the model's recorded split)."""
+    from kstep.train import data
+    from kstep.train.corpus import function_examples
+    held_out = set(json.loads((model / "data_split.json").read_text())["held_out"])
+    files = [f for f in data.corpus_files("stdlib") if f.rel in held_out]
+    return [e.prompt for e in function_examples(files) if len(e.prompt) < 600][:count]
+
+
+def run_quality(model: str, judge: str, n: int, block: int, num_prompts: int, out: Path) -> list[dict]:
+    """Quality of the fast mode against the exact sampler on held-out prompts, judged by an AR model."""
+    import kstep
+    from kstep.bench.quality import decode_quality
+    llm, judge_llm = kstep.load(model), kstep.load(judge)
+    modes = {"exact": dict(max_tokens=n, block_length=block, steps=n, early_stop=False),
+             "dual+threshold": dict(max_tokens=n, block_length=block, steps=n, cache="dual", threshold=0.9)}
+    rows = decode_quality(llm, judge_llm, held_out_prompts(resolve_model(model), num_prompts), modes)
+    (out / "bench_decode_quality.json").write_text(json.dumps({"model": model, "judge": judge, "n": n,
+                                                               "rows": rows}, indent=2) + "\n")
+    return rows
+
+
+def format_quality(rows: list[dict]) -> str:
+    lines = ["| mode | prompts | parse rate | judge NLL (nats/token) | distinct ratio | mean nfe | mean s "
+             "| agreement with exact |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        nll = "-" if r["judge_nll"] is None else f"{r['judge_nll']:.3f}"
+        lines.append(f"| {r['mode']} | {r['prompts']} | {r['parse_rate']:.2f} | {nll} | {r['distinct_ratio']:.2f} | "
+                     f"{r['mean_nfe']:.1f} | {r['mean_seconds']:.2f} | {r['agreement_with_first']:.2f} |")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict]) -> str:

@@ -40,7 +40,8 @@ def plot_curves(runs: dict[str, Path], png: Path) -> None:
         ax.plot(tokens, smooth, color=color, label=f"{label}: train loss (mean of {window} steps)")
         held = [(e["tokens"] / 1e6, e["held_out_nll"]) for e in log if "held_out_nll" in e]
         if held:
-            ax.plot(*zip(*held), "o--", color=color, markersize=4, label=f"{label}: held-out NLL (bound)")
+            bound = " (ELBO bound)" if not kstep.load(model_dir).cfg.is_causal else ""
+            ax.plot(*zip(*held), "o--", color=color, markersize=4, label=f"{label}: held-out NLL{bound}")
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("nats per token")
     ax.set_ylim(top=min(8.5, ax.get_ylim()[1]))
@@ -105,8 +106,7 @@ def model_card(model_dir: Path, title: str, metrics: dict, reproduce: str) -> st
     cfg = read_json(model_dir / "train_config.json")
     log = read_log(model_dir)
     llm = kstep.load(model_dir)
-    step_tokens = cfg["batch_size"] * cfg["seq_len"]
-    wall = sum(step_tokens / e["tokens_per_s"] for e in log if e.get("tokens_per_s")) / 60 if log else 0
+    wall = log[-1]["tokens"] / log[-1]["tokens_per_s"] / 60  # the run's average rate (evaluations excluded)
     corpus = (f"the Python {'.'.join(map(str, sys.version_info[:2]))} standard library, no tests / vendored code / "
               "generated tables" if cfg["corpus"] == "stdlib" else f"the .py/.txt files under `{cfg['corpus']}`")
     size_mib = (model_dir / "model.safetensors").stat().st_size / 2**20

@@ -1,0 +1,1 @@
+"""Quality measures for completions (used by `kstep bench decode` now, `kstep eval` later)."""
