@@ -5,7 +5,7 @@ import sys
 
 from kstep.decoding.unmask import UNMASK_RULES
 from kstep.llm import DTYPES, load
-from kstep.params import GenerationParams
+from kstep.params import CACHE_MODES, GenerationParams
 
 
 def _ids(text: str) -> list[int]:
@@ -25,18 +25,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-ids", type=_ids, action="append", default=[], metavar="1,2,3",
                      help="a prompt as token ids (repeat for a batch)")
     gen.add_argument("--chat", action="store_true", help="wrap each text prompt in the checkpoint's chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--max-tokens", type=int, default=None, help="completion length (default 128)")
     gen.add_argument("--steps", type=int, default=None, help="diffusion forward passes (default: max tokens)")
     gen.add_argument("--block-length", type=int, default=None, help="diffusion block (default: 32 or max tokens)")
-    gen.add_argument("--remasking", default="low_confidence", choices=list(UNMASK_RULES))
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--cfg-scale", type=float, default=0.0)
-    gen.add_argument("--cache", default="none", choices=["none", "prefix", "dual"],
+    gen.add_argument("--remasking", default=None, choices=list(UNMASK_RULES), help="unmask rule (default low_confidence)")
+    gen.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
+    gen.add_argument("--cfg-scale", type=float, default=None)
+    gen.add_argument("--cache", default=None, choices=list(CACHE_MODES),
                      help="diffusion KV cache: none (exact), prefix, dual (Fast-dLLM)")
     gen.add_argument("--threshold", type=float, default=None,
                      help="unmask every mask with confidence >= T per pass (at least one)")
     gen.add_argument("--factor", type=float, default=None, help="Fast-dLLM's factor unmask rule")
-    gen.add_argument("--no-early-stop", dest="early_stop", action="store_false",
+    gen.add_argument("--no-early-stop", dest="early_stop", action="store_const", const=False, default=None,
                      help="keep refining after an end-of-sequence token is final")
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
@@ -47,8 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a diffusion (llada) or AR (llama) model on a code corpus")
     from kstep.train.trainer import TrainConfig
     for f in TrainConfig.__dataclass_fields__.values():
-        if f.name in ("extra",):
-            continue
         flag = "--" + f.name.replace("_", "-")
         if f.name in ("objective", "out"):
             train.add_argument(flag, required=True, choices=["diffusion", "ar"] if f.name == "objective" else None)
@@ -93,10 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, seed=args.seed, steps=args.steps, block_length=args.block_length,
-                              remasking=args.remasking, cfg_scale=args.cfg_scale, cache=args.cache,
-                              threshold=args.threshold, factor=args.factor, early_stop=args.early_stop)
+    # Only the flags given: every default lives in GenerationParams.
+    given = {name: getattr(args, name) for name in GenerationParams.__dataclass_fields__}
+    params = GenerationParams(**{name: value for name, value in given.items() if value is not None})
     if not args.prompts and not args.prompt_ids:
         raise ValueError("no prompt given: pass PROMPT text or --prompt-ids")
     if any(p == "" for p in args.prompts) or any(not ids for ids in args.prompt_ids):

@@ -88,7 +88,7 @@ def reproduce_command(cfg: dict) -> str:
     defaults = {name: f.default for name, f in TrainConfig.__dataclass_fields__.items()}
     parts = ["kstep train", f"--objective {cfg['objective']}", f"--out {cfg['out']}"]
     for name, value in cfg.items():
-        if name in ("objective", "out", "extra") or value == defaults.get(name):
+        if name not in defaults or name in ("objective", "out") or value == defaults[name]:
             continue
         flag = "--" + name.replace("_", "-")
         parts.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}")

@@ -5,7 +5,7 @@ the family's real layout that `kstep.load` reads.
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +51,6 @@ class TrainConfig:
     threads: int | None = None
     bf16: bool = False                # bf16 autocast: slower on this CPU build (backward matmuls), off by default
     max_positions: int = 2048
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
