@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=None, help="completion length (default 128)")
     gen.add_argument("--steps", type=int, default=None, help="diffusion forward passes (default: max tokens)")
     gen.add_argument("--block-length", type=int, default=None, help="diffusion block (default: 32 or max tokens)")
-    gen.add_argument("--remasking", default=None, choices=list(UNMASK_RULES), help="unmask rule (default low_confidence)")
+    gen.add_argument("--remasking", default=None, choices=list(UNMASK_RULES),
+                     help="unmask rule (default low_confidence)")
     gen.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
     gen.add_argument("--cfg-scale", type=float, default=None)
     gen.add_argument("--cache", default=None, choices=list(CACHE_MODES),

@@ -64,7 +64,8 @@ class LLM:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
         if self.cfg.mask_token_id is not None and self.cfg.mask_token_id in ids:
-            raise ValueError(f"prompt contains the mask token id {self.cfg.mask_token_id}, which only the sampler may place")
+            raise ValueError(f"prompt contains the mask token id {self.cfg.mask_token_id}, "
+                             "which only the sampler may place")
         return ids
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:

@@ -63,7 +63,8 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **{k: v or "" for k, v in self.special.items()})
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            **{k: v or "" for k, v in self.special.items()})
 
 
 def load_tokenizer(path: Path) -> Tokenizer | None:

@@ -12,7 +12,8 @@ MODEL_TYPES = ("llada",)
 
 # Settings of the OLMo config that kstep's blocks do not implement, with the value they must have.
 _REQUIRED = {"block_type": ("llama",), "activation_type": ("silu",), "layer_norm_type": ("rms",),
-             "alibi": (False,), "rope": (True,), "attention_layer_norm": (False,), "multi_query_attention": (None, False)}
+             "alibi": (False,), "rope": (True,), "attention_layer_norm": (False,),
+             "multi_query_attention": (None, False)}
 
 
 def parse_config(raw: dict) -> ModelConfig:
