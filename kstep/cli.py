@@ -1,6 +1,7 @@
 """The `kstep` command. Bad input: one line naming the value and the rule, exit code 2."""
 import argparse
 import json
+import os
 import sys
 
 from kstep.decoding.unmask import UNMASK_RULES
@@ -45,6 +46,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     gen.add_argument("--dtype", default="float32", choices=list(DTYPES))
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    serve.add_argument("--model", default="default", help="checkpoint directory or bundled model name")
+    serve.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("KSTEP_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $KSTEP_API_KEY, else none)")
+    serve.add_argument("--max-batch-size", type=int, default=16, help="requests per forward pass")
+    serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    serve.add_argument("--default-max-tokens", type=int, default=256, help="chat max_tokens when not given")
+    serve.add_argument("--graceful-timeout", type=float, default=30.0,
+                       help="seconds SIGTERM waits for in-flight requests before exiting")
+    serve.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    serve.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    serve.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    serve.add_argument("--log-level", default="info")
+    defaults = serve.add_argument_group("decoding defaults for this model (a request's fields override them)")
+    defaults.add_argument("--block-length", type=int, default=None)
+    defaults.add_argument("--remasking", default=None, choices=list(UNMASK_RULES))
+    defaults.add_argument("--cache", default=None, choices=list(CACHE_MODES))
+    defaults.add_argument("--threshold", type=float, default=None)
+    defaults.add_argument("--factor", type=float, default=None)
+    defaults.add_argument("--cfg-scale", type=float, default=None)
     train = sub.add_parser("train", help="train a diffusion (llada) or AR (llama) model on a code corpus")
     from kstep.train.trainer import TrainConfig
     for f in TrainConfig.__dataclass_fields__.values():
@@ -84,6 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="held-out prompts for the quality check of the bundled pair (0: skip)")
     decode.add_argument("--quality-length", type=int, default=128)
     decode.add_argument("--out", default="out/bench")
+    bserve = bench_sub.add_parser("serve", help="concurrent clients against kstep serve, batched vs max batch 1")
+    bserve.add_argument("--model", default="default", help="checkpoint or bundled model to serve")
+    bserve.add_argument("--url", default=None, help="bench this running server instead (one run, no ratio)")
+    bserve.add_argument("--concurrency", type=int, default=16, help="concurrent clients")
+    bserve.add_argument("--duration", type=float, default=60.0, help="seconds of load per server")
+    bserve.add_argument("--max-tokens", type=int, default=64)
+    bserve.add_argument("--num-prompts", type=int, default=32, help="held-out code prompts, sent round robin")
+    bserve.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra request field, e.g. cache=dual or threshold=0.9 (repeatable)")
+    bserve.add_argument("--threads", type=int, default=None, help="the server's torch threads")
+    bserve.add_argument("--out", default="out/bench")
     rand = sub.add_parser("random-checkpoint", help="write a small random-weight checkpoint (tests, demos)")
     rand.add_argument("--family", default="llada", choices=["llada", "llama"])
     rand.add_argument("--out", required=True)
@@ -113,6 +149,58 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args) -> int:
+    import torch
+    import uvicorn
+
+    from kstep.server.app import ServeConfig, build_app
+    for name in ("port", "max_batch_size", "max_queue", "max_body_bytes", "default_max_tokens"):
+        if getattr(args, name) <= 0 or (name == "port" and args.port > 65535):
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    names = ("block_length", "remasking", "cache", "threshold", "factor", "cfg_scale")
+    defaults = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    GenerationParams(**defaults)  # a bad default fails now, naming the flag's value
+    llm = load(args.model, device=args.device, dtype=args.dtype)
+    if not llm.is_diffusion:
+        defaults = {k: v for k, v in defaults.items() if k not in names}
+    config = ServeConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
+                         max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                         max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+                         defaults=defaults)
+    kind = "diffusion" if llm.is_diffusion else "autoregressive"
+    print(f"kstep serve: {config.model_name} ({kind}, {llm.path}) on http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    uvicorn.run(build_app(llm, config), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.graceful_timeout)
+    return 0
+
+
+def run_bench_serve(args) -> int:
+    from pathlib import Path
+
+    from kstep.bench.prompts import held_out_code_prompts
+    from kstep.bench.serve import format_table, run_bench
+    for name in ("concurrency", "duration", "max_tokens", "num_prompts"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    settings = {}
+    for item in args.setting:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--setting {item!r} must be KEY=VALUE")
+        try:
+            settings[key] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key] = value
+    prompts = held_out_code_prompts(args.num_prompts)
+    result = run_bench(args.model, args.concurrency, args.duration, args.max_tokens, prompts, settings, args.threads,
+                       args.url, Path(args.out), progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_table(result))
+    return 0
+
+
 def kstep_is_diffusion(path) -> bool:
     from kstep.weights import read_model_config
     return not read_model_config(path).is_causal
@@ -124,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "serve":
+            return run_serve(args)
         if args.command == "train":
-            from kstep.train.trainer import Trainer, TrainConfig
+            from kstep.train.trainer import TrainConfig, Trainer
             fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
             print(Trainer(TrainConfig(**fields)).train(resume=args.resume))
             return 0
@@ -149,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                                       args.quality_prompts, Path(args.out))
                 print(f"\nquality at N={args.quality_length}, judged by default-ar:\n" + format_quality(quality))
             return 0
+        if args.command == "bench" and args.bench == "serve":
+            return run_bench_serve(args)
         if args.command == "train-report":
             from pathlib import Path
 

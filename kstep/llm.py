@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from kstep.bundled import resolve_model
-from kstep.decoding.autoregressive import generate_autoregressive
-from kstep.decoding.masked_diffusion import generate_diffusion
+from kstep.decoding.autoregressive import AutoregressiveDecoder
+from kstep.decoding.loop import Decoder, decode_alone
+from kstep.decoding.masked_diffusion import DiffusionDecoder
 from kstep.outputs import GenerationResult
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ModelRunner
@@ -85,20 +86,16 @@ class LLM:
         has_padding = not bool(key_mask.all())
         return ids.to(self.device), key_mask.to(self.device) if has_padding else None
 
-    def _cut(self, row: list[int]) -> tuple[list[int], str]:
+    def cut_at_stop(self, row: list[int]) -> tuple[list[int], str]:
+        """A completion up to its first end-of-sequence token, and why it ended."""
         for i, token in enumerate(row):
             if token in self.stop_ids:
                 return row[:i], "stop"
         return row, "length"
 
-    def generate(self, prompts: Prompt | list[Prompt], params: GenerationParams | None = None,
-                 **overrides) -> list[GenerationResult]:
-        """Generate for one prompt or a batch (text or token ids); one result per prompt, in order."""
-        params = params or GenerationParams()
-        if overrides:
-            params = replace(params, **overrides)
-        is_single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
-        batch = [self.encode_prompt(p) for p in ([prompts] if is_single else prompts)]
+    def make_decoder(self, batch: list[list[int]], params: GenerationParams) -> Decoder:
+        """The decoder for a batch of encoded prompts (left-padded into one canvas batch). It is
+        stepped alone by `generate`, or with other requests' decoders by the serving engine."""
         if not batch:
             raise ValueError("no prompts given")
         longest = max(len(ids) for ids in batch)
@@ -109,21 +106,33 @@ class LLM:
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         ids, key_mask = self._left_pad(batch)
-        start = time.perf_counter()
         stop = torch.tensor(self.stop_ids or [-1], device=self.device)
         if self.is_diffusion:
-            out = generate_diffusion(self.runner, ids, key_mask, params, self.cfg.mask_token_id, stop, generator)
-            timings = {"decode_seconds": out.seconds, **out.timings}
-        else:
-            out = generate_autoregressive(self.runner, ids, key_mask, params, stop, self.pad_id, generator)
-            timings = {"prefill_seconds": out.prefill_seconds, "decode_seconds": out.seconds - out.prefill_seconds}
-        self.runner.free_kv()
+            return DiffusionDecoder(self.runner, ids, key_mask, params, self.cfg.mask_token_id, stop, generator)
+        return AutoregressiveDecoder(self.runner, ids, key_mask, params, stop, self.pad_id, generator)
+
+    def generate(self, prompts: Prompt | list[Prompt], params: GenerationParams | None = None,
+                 **overrides) -> list[GenerationResult]:
+        """Generate for one prompt or a batch (text or token ids); one result per prompt, in order."""
+        params = params or GenerationParams()
+        if overrides:
+            params = replace(params, **overrides)
+        is_single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        batch = [self.encode_prompt(p) for p in ([prompts] if is_single else prompts)]
+        start = time.perf_counter()
+        decoder = self.make_decoder(batch, params)
+        timings: dict[str, float] = {}
+        if self.is_diffusion:
+            timings = {"full_pass_seconds": 0.0, "window_pass_seconds": 0.0, "num_full_passes": 0,
+                       "num_window_passes": 0}
+        decode_alone(self.runner, decoder, timings)
         seconds = time.perf_counter() - start
+        timings = {"decode_seconds": seconds, **timings}
         results = []
-        for prompt, row in zip(batch, out.completions.tolist()):
-            tokens, reason = self._cut(row)
+        for prompt, row in zip(batch, decoder.completions.tolist()):
+            tokens, reason = self.cut_at_stop(row)
             text = self.tokenizer.decode(tokens) if self.tokenizer else None
-            results.append(GenerationResult(tokens, reason, out.nfe, seconds, len(prompt), text, dict(timings)))
+            results.append(GenerationResult(tokens, reason, decoder.nfe, seconds, len(prompt), text, dict(timings)))
         return results
 
 

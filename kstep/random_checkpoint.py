@@ -8,7 +8,14 @@ from pathlib import Path
 import torch
 
 from kstep.models import ModelConfig, Transformer
-from kstep.train.bpe import EOS, MASK, PAD, SPECIAL_TOKENS, save_tokenizer, train_byte_level_bpe
+from kstep.train.bpe import (
+    EOS,
+    MASK,
+    PAD,
+    SPECIAL_TOKENS,
+    save_tokenizer,
+    train_byte_level_bpe,
+)
 from kstep.weights import save_checkpoint
 
 # A ChatML-style template, so that tests exercise a template with end-of-turn markers.

@@ -4,10 +4,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import copy_checkpoint
 from safetensors.torch import load_file, save_file
 
 import kstep
-from conftest import copy_checkpoint
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

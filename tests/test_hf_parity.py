@@ -63,6 +63,6 @@ def test_padded_batch_logits_match_transformers(tmp_path):
     with torch.no_grad():
         expected = hf(ids, attention_mask=mask).logits[:, -1]
     key_mask = mask.bool()
-    llm.runner.allocate_kv(2, 9)
-    got = llm.runner.causal_logits(ids, positions_from_padding(key_mask), key_mask, 0)
+    kv = llm.runner.allocate_kv(2, 9)
+    got = llm.runner.logits(llm.runner.causal_pass(ids, positions_from_padding(key_mask), key_mask, 0, kv))[:, -1]
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -2,9 +2,9 @@
 against the reference `generate()` semantics, token for token at temperature 0."""
 import pytest
 import torch
+from llada_reference import ReferenceLLaDA, reference_generate
 
 import kstep
-from llada_reference import ReferenceLLaDA, reference_generate
 
 
 def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
@@ -16,7 +16,7 @@ def test_model_matches_independent_forward(llada_path):
     ref = ReferenceLLaDA(llada_path)
     ids = torch.randint(5, llm.cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     expected = ref(ids)
-    got = llm.runner.full_logits(ids, None, 0, 17)
+    got = llm.runner.logits(llm.runner.full_pass(ids, None, 0, 17))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 

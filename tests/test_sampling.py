@@ -2,9 +2,9 @@
 import torch
 
 from kstep.decoding.masked_diffusion import fill_after_stop
-from kstep.decoding.unmask import choose_factor, choose_threshold, choose_top
 from kstep.decoding.sampling import filter_logits, sample_tokens
 from kstep.decoding.schedule import num_transfer_tokens
+from kstep.decoding.unmask import choose_factor, choose_threshold, choose_top
 
 
 def test_schedule_matches_even_split():

@@ -1,8 +1,9 @@
 """Completions are cut at the first end-of-sequence token; finish_reason says why they ended."""
 import json
 
-import kstep
 from conftest import copy_checkpoint
+
+import kstep
 
 
 def test_cut_at_eos_from_checkpoint(tmp_path, llama_path, llada_path):

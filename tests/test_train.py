@@ -7,7 +7,7 @@ import torch
 import kstep
 from kstep.train.corpus import stdlib_root
 from kstep.train.objectives import forward_process
-from kstep.train.trainer import Trainer, TrainConfig
+from kstep.train.trainer import TrainConfig, Trainer
 
 
 @pytest.fixture(scope="module")

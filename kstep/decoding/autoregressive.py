@@ -2,55 +2,61 @@
 
 The KV cache is preallocated for prompt + max_tokens by the runner, so there is no recomputation
 of the prefix and no per-step allocation; it is the honest baseline diffusion is compared with.
+Like the diffusion decoder it is a step machine (`next_pass` / `update`), so the serving engine
+batches AR requests the same way.
 """
-import time
-from dataclasses import dataclass
-
 import torch
 
 from kstep.decoding.sampling import sample_tokens
 from kstep.params import GenerationParams
-from kstep.runner.model_runner import ModelRunner, positions_from_padding
+from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
 
 
-@dataclass(slots=True)
-class AutoregressiveOutput:
-    completions: torch.Tensor   # (B, T <= max_tokens); rows that stopped early are padded after their stop token
-    nfe: int
-    seconds: float
-    prefill_seconds: float
+class AutoregressiveDecoder:
+    """Decodes left-padded prompts (B, P) until every row hits a stop id or max_tokens."""
 
+    def __init__(self, runner: ModelRunner, prompts: torch.Tensor, key_mask: torch.Tensor | None,
+                 params: GenerationParams, stop_ids: torch.Tensor, pad_id: int, generator: torch.Generator | None):
+        self.runner, self.params, self.prompts = runner, params, prompts
+        self.stop_ids, self.pad_id, self.generator = stop_ids, pad_id, generator
+        B, P = prompts.shape
+        N = params.max_tokens
+        self.kv = runner.allocate_kv(B, P + N)
+        if key_mask is not None:
+            self.positions = positions_from_padding(key_mask)
+            key_mask = torch.cat([key_mask, torch.ones(B, N, dtype=torch.bool, device=prompts.device)], dim=1)
+        else:
+            self.positions = torch.arange(P, device=prompts.device).expand(B, -1)
+        self.key_mask = key_mask
+        self.out = torch.full((B, N), pad_id, dtype=torch.long, device=prompts.device)
+        self.finished = torch.zeros(B, dtype=torch.bool, device=prompts.device)
+        self.num_generated, self.nfe, self.is_finished = 0, 0, False
 
-def generate_autoregressive(runner: ModelRunner, prompts: torch.Tensor, key_mask: torch.Tensor | None,
-                            params: GenerationParams, stop_ids: torch.Tensor, pad_id: int,
-                            generator: torch.Generator | None) -> AutoregressiveOutput:
-    """Decode left-padded prompts (B, P) until every row hits a stop id or max_tokens."""
-    B, P = prompts.shape
-    N = params.max_tokens
-    runner.allocate_kv(B, P + N)
-    if key_mask is not None:
-        key_mask = torch.cat([key_mask, torch.ones(B, N, dtype=torch.bool, device=prompts.device)], dim=1)
-        positions = positions_from_padding(key_mask[:, :P])
-    else:
-        positions = torch.arange(P, device=prompts.device).expand(B, -1)
-    start_time = time.perf_counter()
-    logits = runner.causal_logits(prompts, positions, key_mask, 0)  # (B, V)
-    runner.synchronize()
-    prefill_seconds = time.perf_counter() - start_time
-    next_position = positions[:, -1:] + 1  # (B, 1)
-    out = torch.full((B, N), pad_id, dtype=torch.long, device=prompts.device)
-    finished = torch.zeros(B, dtype=torch.bool, device=prompts.device)
-    nfe, num_generated = 1, 0
-    for t in range(N):
-        token = sample_tokens(logits, params.temperature, generator, params.top_k, params.top_p)  # (B,)
-        token = torch.where(finished, pad_id, token)
-        out[:, t] = token
-        num_generated = t + 1
-        finished |= torch.isin(token, stop_ids)
-        if t == N - 1 or bool(finished.all()):
-            break
-        logits = runner.causal_logits(token[:, None], next_position, key_mask, P + t)
-        next_position += 1
-        nfe += 1
-    runner.synchronize()
-    return AutoregressiveOutput(out[:, :num_generated], nfe, time.perf_counter() - start_time, prefill_seconds)
+    @property
+    def completions(self) -> torch.Tensor:
+        return self.out[:, :self.num_generated]
+
+    def next_pass(self) -> ForwardPass | None:
+        if self.is_finished:
+            return None
+        if self.num_generated == 0:
+            return self.runner.causal_pass(self.prompts, self.positions, self.key_mask, 0, self.kv)
+        t = self.num_generated
+        position = self.positions[:, -1:] + t  # (B, 1)
+        return self.runner.causal_pass(self.out[:, t - 1:t], position, self.key_mask,
+                                       self.prompts.shape[1] + t - 1, self.kv)
+
+    def update(self, logits: torch.Tensor) -> None:
+        """Sample the next token from the last position's logits (B, 1, V)."""
+        p = self.params
+        token = sample_tokens(logits[:, -1], p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
+        token = torch.where(self.finished, self.pad_id, token)
+        self.out[:, self.num_generated] = token
+        self.num_generated, self.nfe = self.num_generated + 1, self.nfe + 1
+        self.finished |= torch.isin(token, self.stop_ids)
+        if self.num_generated == p.max_tokens or bool(self.finished.all()):
+            self.is_finished, self.kv = True, None
+
+    def committed_lengths(self) -> list[int]:
+        """Every sampled token is final."""
+        return [self.num_generated] * self.out.shape[0]

@@ -18,41 +18,22 @@ from the block start) against the cache.
 Early stop: once a row has an end-of-sequence token with nothing masked before it, the rest of its
 canvas can no longer change its completion; its masks become that token. Once every row of the
 batch is final (or its blocks are done), no further passes run.
-"""
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
+The decoder is a step machine (`next_pass` -> the runner executes it, alone or packed with other
+sequences -> `update`), so the same code serves `kstep generate` and the serving engine.
+"""
 import torch
 
 from kstep.decoding.sampling import sample_tokens
 from kstep.decoding.schedule import num_transfer_tokens
-from kstep.decoding.unmask import choose_factor, choose_threshold, choose_top, confidence_rule
+from kstep.decoding.unmask import (
+    choose_factor,
+    choose_threshold,
+    choose_top,
+    confidence_rule,
+)
 from kstep.params import GenerationParams
-from kstep.runner.model_runner import ModelRunner
-
-LogitsFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-@dataclass(slots=True)
-class DiffusionOutput:
-    completions: torch.Tensor   # (B, max_tokens) canvas after the prompt
-    nfe: int
-    seconds: float
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-def guided(run: LogitsFn, canvas: torch.Tensor, key_mask: torch.Tensor | None, prompt_len: int,
-           cfg_scale: float, mask_id: int) -> torch.Tensor:
-    """`run`'s logits, with LLaDA's unsupervised classifier-free guidance when cfg_scale > 0: the
-    unconditional rows see the prompt masked, and logits = u + (cfg_scale + 1)(c - u)."""
-    if cfg_scale == 0:
-        return run(canvas, key_mask)
-    unconditional = canvas.clone()
-    unconditional[:, :prompt_len] = mask_id
-    both_mask = None if key_mask is None else torch.cat([key_mask, key_mask])
-    cond, uncond = run(torch.cat([canvas, unconditional]), both_mask).chunk(2)
-    return uncond + (cfg_scale + 1) * (cond - uncond)
+from kstep.runner.model_runner import ForwardPass, ModelRunner
 
 
 def fill_after_stop(completions: torch.Tensor, stop_ids: torch.Tensor, mask_id: int) -> None:
@@ -69,98 +50,108 @@ def fill_after_stop(completions: torch.Tensor, stop_ids: torch.Tensor, mask_id: 
     completions.copy_(torch.where(is_final[:, None] & is_mask, stop_token, completions))
 
 
-class BlockDecoder:
-    """Decodes one canvas batch block by block with a cache mode and an unmask policy."""
+class DiffusionDecoder:
+    """Decodes one canvas batch (B rows with the same settings), block by block, one step per pass."""
 
-    def __init__(self, runner: ModelRunner, params: GenerationParams, mask_id: int, stop_ids: torch.Tensor,
-                 generator: torch.Generator | None):
-        self.runner, self.params, self.mask_id = runner, params, mask_id
-        self.stop_ids, self.generator = stop_ids, generator
-        self.rule = confidence_rule(params.remasking)
-        self.steps_per_block = params.steps // params.num_blocks
+    def __init__(self, runner: ModelRunner, prompts: torch.Tensor, key_mask: torch.Tensor | None,
+                 params: GenerationParams, mask_id: int, stop_ids: torch.Tensor, generator: torch.Generator | None):
+        """prompts (B, P) left-padded; key_mask (B, P) marks real tokens or is None."""
+        self.params = p = params.resolved_for_diffusion()
+        self.runner, self.mask_id, self.stop_ids, self.generator = runner, mask_id, stop_ids, generator
+        B, P = prompts.shape
+        self.prompt_len = P
+        self.canvas = torch.full((B, P + p.max_tokens), mask_id, dtype=torch.long, device=prompts.device)
+        self.canvas[:, :P] = prompts
+        if key_mask is not None:
+            key_mask = torch.cat([key_mask, torch.ones(B, p.max_tokens, dtype=torch.bool, device=prompts.device)], 1)
+        self.key_mask = key_mask
+        self.rule = confidence_rule(p.remasking)
         # Every block starts fully masked, so the fixed schedule is the same for all rows, known on the host.
-        self.schedule = num_transfer_tokens(torch.tensor([params.block_length]), self.steps_per_block)[0].tolist()
-        self.timings = {"full_pass_seconds": 0.0, "window_pass_seconds": 0.0, "num_full_passes": 0,
-                        "num_window_passes": 0}
+        steps_per_block = p.steps // p.num_blocks
+        self.schedule = num_transfer_tokens(torch.tensor([p.block_length]), steps_per_block)[0].tolist()
+        rows = B * (2 if p.cfg_scale > 0 else 1)
+        self.kv = None if p.cache == "none" else runner.allocate_kv(rows, self.canvas.shape[1])
+        self.block_idx, self.step_idx, self.nfe = 0, 0, 0
+        self.is_finished = False
 
-    def choose(self, confidence: torch.Tensor, step: int) -> torch.Tensor:
+    @property
+    def completions(self) -> torch.Tensor:
+        """(B, max_tokens) the canvas after the prompt: tokens, masks where still masked."""
+        return self.canvas[:, self.prompt_len:]
+
+    @property
+    def block(self) -> tuple[int, int]:
+        start = self.prompt_len + self.block_idx * self.params.block_length
+        return start, start + self.params.block_length
+
+    def _model_input(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The canvas, and with LLaDA's unsupervised classifier-free guidance (cfg_scale > 0) also its
+        unconditional copy (prompt masked) as extra rows."""
+        if self.params.cfg_scale == 0:
+            return self.canvas, self.key_mask
+        unconditional = self.canvas.clone()
+        unconditional[:, :self.prompt_len] = self.mask_id
+        key_mask = None if self.key_mask is None else torch.cat([self.key_mask, self.key_mask])
+        return torch.cat([self.canvas, unconditional]), key_mask
+
+    def next_pass(self) -> ForwardPass | None:
+        """The forward pass the next step needs (None once finished): a full pass when uncached or at
+        a block start, otherwise a window pass against the cache."""
+        if self.is_finished:
+            return None
+        ids, key_mask = self._model_input()
+        (start, end), L, cache = self.block, self.canvas.shape[1], self.params.cache
+        if cache == "none" or self.step_idx == 0:
+            return self.runner.full_pass(ids, key_mask, start, end, self.kv)
+        window_end = L if cache == "prefix" else end
+        return self.runner.window_pass(ids, key_mask, start, window_end, L, end - start, self.kv)
+
+    def update(self, logits: torch.Tensor) -> None:
+        """Apply one step given the block's logits ((B or 2B), block_length, V) from `next_pass`'s pass."""
         p = self.params
-        if p.threshold is not None:
-            return choose_threshold(confidence, p.threshold)
-        if p.factor is not None:
-            return choose_factor(confidence, p.factor)
-        k = self.schedule[min(step, len(self.schedule) - 1)]
-        return choose_top(confidence, torch.full((confidence.shape[0],), k, device=confidence.device), k)
-
-    def timed(self, kind: str, run: Callable[[], torch.Tensor]) -> torch.Tensor:
-        start = time.perf_counter()
-        logits = run()
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.timings[f"{kind}_pass_seconds"] += time.perf_counter() - start
-        self.timings[f"num_{kind}_passes"] += 1
-        return logits
-
-    def block_logits(self, canvas: torch.Tensor, key_mask: torch.Tensor | None, prompt_len: int,
-                     start: int, end: int, step: int) -> torch.Tensor:
-        """(B, end-start, V) logits for the current block, by the cache mode's pass for this step."""
-        runner, L, cache = self.runner, canvas.shape[1], self.params.cache
-        if cache == "none" or step == 0:
-            run = lambda ids, mask: runner.full_logits(ids, mask, start, end, write_cache=cache != "none")  # noqa: E731
-            kind = "full"
-        else:
-            window_end = L if cache == "prefix" else end
-            run = lambda ids, mask: runner.window_logits(ids, mask, start, window_end, L, end - start)  # noqa: E731
-            kind = "window"
-        return self.timed(kind, lambda: guided(run, canvas, key_mask, prompt_len, self.params.cfg_scale,
-                                               self.mask_id))
-
-    def step(self, canvas: torch.Tensor, key_mask: torch.Tensor | None, prompt_len: int, start: int, end: int,
-             step: int) -> None:
-        """One refinement step on the block [start, end) of canvas (B, L), in place."""
-        p = self.params
-        logits = self.block_logits(canvas, key_mask, prompt_len, start, end, step)
+        if p.cfg_scale > 0:
+            cond, uncond = logits.chunk(2)
+            logits = uncond + (p.cfg_scale + 1) * (cond - uncond)
         # The mask token is never a candidate (a masked position must become a token); confidence is
         # still scored on the unmodified logits, as the references do.
         proposal = logits.clone()
         proposal[..., self.mask_id] = float("-inf")
         candidates = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, T)
-        block = canvas[:, start:end]
+        start, end = self.block
+        block = self.canvas[:, start:end]
         is_masked = block == self.mask_id
         confidence = self.rule(logits, candidates, self.generator).masked_fill(~is_masked, float("-inf"))
-        chosen = self.choose(confidence, step) & is_masked
+        chosen = self._choose(confidence) & is_masked
         block.copy_(torch.where(chosen, candidates, block))
+        self.step_idx, self.nfe = self.step_idx + 1, self.nfe + 1
+        if p.early_stop:
+            fill_after_stop(self.completions, self.stop_ids, self.mask_id)
+        self._advance()
 
-    def run(self, canvas: torch.Tensor, key_mask: torch.Tensor | None, prompt_len: int) -> int:
-        """Decode canvas (B, L) in place; returns the number of forward passes."""
-        p, nfe = self.params, 0
-        if p.cache != "none":
-            self.runner.allocate_kv(canvas.shape[0] * (2 if p.cfg_scale > 0 else 1), canvas.shape[1])
-        for block_idx in range(p.num_blocks):
-            start = prompt_len + block_idx * p.block_length
-            end = start + p.block_length
-            step = 0
-            while bool((canvas[:, start:end] == self.mask_id).any()):
-                if step == p.block_length:  # every step unmasks at least one position per unfinished row
-                    raise RuntimeError(f"internal: block {block_idx} still masked after {step} steps")
-                self.step(canvas, key_mask, prompt_len, start, end, step)
-                step, nfe = step + 1, nfe + 1
-                if p.early_stop:
-                    fill_after_stop(canvas[:, prompt_len:], self.stop_ids, self.mask_id)
-        return nfe
+    def _choose(self, confidence: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if p.threshold is not None:
+            return choose_threshold(confidence, p.threshold)
+        if p.factor is not None:
+            return choose_factor(confidence, p.factor)
+        k = self.schedule[min(self.step_idx, len(self.schedule) - 1)]
+        return choose_top(confidence, torch.full((confidence.shape[0],), k, device=confidence.device), k)
 
+    def _advance(self) -> None:
+        """Move past every block with no masks left (a block ends when it has none)."""
+        while self.block_idx < self.params.num_blocks:
+            start, end = self.block
+            if bool((self.canvas[:, start:end] == self.mask_id).any()):
+                break
+            self.block_idx, self.step_idx = self.block_idx + 1, 0
+        if self.step_idx >= self.params.block_length:  # every step unmasks at least one position per row
+            raise RuntimeError(f"internal: block {self.block_idx} still masked after {self.step_idx} steps")
+        if self.block_idx == self.params.num_blocks:
+            self.is_finished, self.kv = True, None
 
-def generate_diffusion(runner: ModelRunner, prompts: torch.Tensor, key_mask: torch.Tensor | None,
-                       params: GenerationParams, mask_id: int, stop_ids: torch.Tensor,
-                       generator: torch.Generator | None) -> DiffusionOutput:
-    """Decode left-padded prompts (B, P); key_mask (B, P) marks real tokens or is None."""
-    params = params.resolved_for_diffusion()
-    B, P = prompts.shape
-    canvas = torch.full((B, P + params.max_tokens), mask_id, dtype=torch.long, device=prompts.device)
-    canvas[:, :P] = prompts
-    if key_mask is not None:
-        key_mask = torch.cat([key_mask, torch.ones(B, params.max_tokens, dtype=torch.bool, device=prompts.device)], 1)
-    decoder = BlockDecoder(runner, params, mask_id, stop_ids, generator)
-    start = time.perf_counter()
-    nfe = decoder.run(canvas, key_mask, P)
-    return DiffusionOutput(canvas[:, P:], nfe, time.perf_counter() - start, decoder.timings)
+    def committed_lengths(self) -> list[int]:
+        """Per row, the length of the completion's leading run with no masks: text that can be shown
+        because no later step can change it."""
+        is_mask = self.completions == self.mask_id
+        N = is_mask.shape[1]
+        return torch.where(is_mask.any(-1), is_mask.float().argmax(-1), N).tolist()

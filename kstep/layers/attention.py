@@ -1,13 +1,41 @@
-"""Grouped-query attention through torch's scaled_dot_product_attention.
+"""Grouped-query attention through torch's scaled_dot_product_attention, over packed sequences.
 
-One module serves causal (AR) and bidirectional (diffusion) models; the caller passes the mask.
-Keys/values may be written into a preallocated cache owned by the model runner.
+One module serves causal (AR) and bidirectional (diffusion) models; the caller passes the masks.
+A forward pass may pack several sequences (the engine's continuous batch): the projections run
+once on all their tokens, the attention runs per sequence (`Segment`), each against its own
+preallocated KV cache owned by the model runner.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kstep.layers.rotary import apply_rotary
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values, each (B, Hkv, S_max, hd)
+
+
+@dataclass(slots=True)
+class Segment:
+    """One sequence's share of a packed pass: `batch` rows of `length` tokens, contiguous from
+    `offset` in the packed tokens.
+
+    mask: bool (batch, 1, length|1, S), True = may attend, or None. With a cache, this pass's
+    keys/values are written at [cache_start, cache_start + length) and the queries attend to cache
+    slots [0, cache_len) (default: up to this pass's end); slots past the written window hold keys
+    from an earlier pass (Fast-dLLM's DualCache suffix)."""
+    offset: int
+    batch: int
+    length: int
+    mask: torch.Tensor | None = None
+    cache: KVCache | None = None
+    cache_start: int = 0
+    cache_len: int | None = None
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.offset, self.offset + self.batch * self.length)
 
 
 class Attention(nn.Module):
@@ -20,27 +48,32 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                is_causal: bool, cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache_start: int = 0, cache_len: int | None = None) -> torch.Tensor:
-        """x (B, T, D); mask bool (B, 1, T|1, S), True = may attend; cache (k, v) each (B, Hkv, S_max, hd).
+    def _heads(self, x: torch.Tensor, seg: Segment) -> torch.Tensor:
+        """(N, h, hd) packed rows -> this segment's (b, h, T, hd)."""
+        return x[seg.rows].view(seg.batch, seg.length, x.shape[1], self.head_dim).transpose(1, 2)
 
-        With a cache, this pass's keys/values are written at [cache_start, cache_start + T) and the
-        queries attend to cache slots [0, cache_len) (default: up to this pass's end). Slots past the
-        written window hold keys from an earlier pass (Fast-dLLM's DualCache suffix)."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:
-            k_cache, v_cache = cache
-            end = cache_start + T
-            k_cache[:, :, cache_start:end] = k
-            v_cache[:, :, cache_start:end] = v
-            length = end if cache_len is None else cache_len
+    def _attend(self, q, k, v, seg: Segment, layer_idx: int, is_causal: bool) -> torch.Tensor:
+        q, k, v = self._heads(q, seg), self._heads(k, seg), self._heads(v, seg)  # (b, H|Hkv, T, hd)
+        if seg.cache is not None:
+            k_cache, v_cache = seg.cache[layer_idx]
+            end = seg.cache_start + seg.length
+            k_cache[:, :, seg.cache_start:end] = k
+            v_cache[:, :, seg.cache_start:end] = v
+            length = end if seg.cache_len is None else seg.cache_len
             k, v = k_cache[:, :, :length], v_cache[:, :, :length]  # views: no copy
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal and mask is None and T == k.shape[2],
-            enable_gqa=self.n_heads != self.n_kv_heads)  # (B, H, T, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+            q, k, v, attn_mask=seg.mask, is_causal=is_causal and seg.mask is None and seg.length == k.shape[2],
+            enable_gqa=self.n_heads != self.n_kv_heads)  # (b, H, T, hd)
+        return out.transpose(1, 2).reshape(seg.batch * seg.length, self.n_heads * self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment],
+                layer_idx: int, is_causal: bool) -> torch.Tensor:
+        """x (N, D) packed tokens; cos, sin (N, hd) at their positions -> (N, D)."""
+        N = x.shape[0]
+        cos, sin = cos[:, None], sin[:, None]  # (N, 1, hd): broadcast over heads
+        # Projections and rotary run once over every sequence's tokens; only attention is per sequence.
+        q = apply_rotary(self.q_proj(x).view(N, self.n_heads, self.head_dim), cos, sin)  # (N, H, hd)
+        k = apply_rotary(self.k_proj(x).view(N, self.n_kv_heads, self.head_dim), cos, sin)  # (N, Hkv, hd)
+        v = self.v_proj(x).view(N, self.n_kv_heads, self.head_dim)
+        outs = [self._attend(q, k, v, seg, layer_idx, is_causal) for seg in segments]
+        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))

@@ -40,15 +40,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for (B, T) positions, shaped (B, 1, T, hd) to broadcast over heads.
+        """cos, sin for positions of any shape (...,) -> (..., hd).
 
         Positions are not range-checked here (that would sync the device every pass): callers
         check prompt + max_tokens against the context before generating."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[positions], self.sin[positions]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, hd) in float32 (LLaDA's rope_full_precision), return in x's dtype."""
+    """Rotate (..., hd) in float32 (LLaDA's rope_full_precision), return in x's dtype."""
     x32 = x.float()
     half = x32.shape[-1] // 2
     rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kstep.layers.attention import Attention
+from kstep.layers.attention import Attention, KVCache, Segment
 from kstep.layers.mlp import SwiGLU
 from kstep.layers.norm import RMSNorm
 from kstep.layers.rotary import RotaryEmbedding
@@ -23,8 +23,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, mask, is_causal, cache=None, cache_start=0, cache_len=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, is_causal, cache, cache_start, cache_len)
+    def forward(self, x, cos, sin, segments, layer_idx, is_causal):
+        x = x + self.attn(self.attn_norm(x), cos, sin, segments, layer_idx, is_causal)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -43,17 +43,24 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(self.cfg.head_dim, self.cfg.max_positions, self.cfg.rope_theta,
                                       self.cfg.rope_scaling).to(device)
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                      caches: list | None = None, cache_start: int = 0, cache_len: int | None = None) -> torch.Tensor:
-        """Final-norm hidden states (B, T, D) for input_ids (B, T) at positions (B, T)."""
-        x = self.embed(input_ids)  # (B, T, D)
+    def packed_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                             segments: list[Segment]) -> torch.Tensor:
+        """Final-norm hidden states (N, D) for the packed tokens input_ids (N,) at positions (N,);
+        `segments` say which tokens form which sequence (each attends only within itself)."""
+        x = self.embed(input_ids)  # (N, D)
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
-        cos, sin = self.rotary.tables(positions)
+        cos, sin = self.rotary.tables(positions)  # (N, hd) each
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, self.cfg.is_causal, None if caches is None else caches[i], cache_start,
-                      cache_len)
+            x = layer(x, cos, sin, segments, i, self.cfg.is_causal)
         return self.norm(x)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                      caches: KVCache | None = None, cache_start: int = 0, cache_len: int | None = None) -> torch.Tensor:
+        """Final-norm hidden states (B, T, D) for one batch input_ids (B, T) at positions (B, T)."""
+        B, T = input_ids.shape
+        segment = Segment(0, B, T, mask, caches, cache_start, cache_len)
+        return self.packed_hidden_states(input_ids.reshape(-1), positions.reshape(-1), [segment]).view(B, T, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped."""

@@ -1,11 +1,16 @@
-"""The model runner: owns the model, its KV buffers, and every forward pass.
+"""The model runner: owns the model, allocates KV buffers, and runs every forward pass.
 
-Decoders ask it for logits; they never touch the model. It builds positions and attention masks
-from per-row padding so that a left-padded row computes what it would compute alone. KV buffers
-are allocated once per generation (`allocate_kv`), never per step.
+Decoders describe the pass they need (`ForwardPass`: tokens, positions, mask, cache window,
+which positions need logits); they never touch the model. `execute` runs any number of such
+passes, from different sequences, as one packed forward pass: the weights are read once for all of
+them, which is what continuous batching buys. Attention stays per sequence, so a sequence's
+logits do not depend on what it was batched with.
 """
+from dataclasses import dataclass
+
 import torch
 
+from kstep.layers.attention import KVCache, Segment
 from kstep.models import Transformer
 
 
@@ -14,66 +19,73 @@ def positions_from_padding(key_mask: torch.Tensor) -> torch.Tensor:
     return (key_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+@dataclass(slots=True)
+class ForwardPass:
+    """What one sequence (a batch of b rows) needs from a forward pass."""
+    ids: torch.Tensor                # (b, T) tokens to run
+    positions: torch.Tensor          # (b, T)
+    mask: torch.Tensor | None        # (b, 1, T|1, S) bool, True = may attend
+    logits_from: int                 # logits for the run's positions [logits_from, logits_to)
+    logits_to: int
+    kind: str                        # full | window | prefill | decode (timings and metrics)
+    kv: KVCache | None = None
+    cache_start: int = 0
+    cache_len: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ids.numel()
+
+
 class ModelRunner:
     def __init__(self, model: Transformer):
         self.model = model
         self.cfg = model.cfg
         self.device = model.embed.weight.device
         self.dtype = model.embed.weight.dtype
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def synchronize(self) -> None:
         """Wait for queued device work (for honest timings on CUDA; a no-op on the CPU)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def free_kv(self) -> None:
-        self.kv = None
-
-    def allocate_kv(self, batch: int, length: int) -> None:
-        """Preallocate the KV cache once per generation: no per-step allocation or concatenation."""
+    def allocate_kv(self, batch: int, length: int) -> KVCache:
+        """Preallocate one sequence's KV cache for its whole life: no per-step allocation or concatenation."""
         if length > self.cfg.max_positions:
             raise ValueError(f"prompt + max_tokens ({length}) exceeds the model's context of {self.cfg.max_positions}")
         shape = (batch, self.cfg.n_kv_heads, length, self.cfg.head_dim)
-        self.kv = [(torch.empty(shape, device=self.device, dtype=self.dtype),
-                    torch.empty(shape, device=self.device, dtype=self.dtype)) for _ in range(self.cfg.n_layers)]
+        return [(torch.empty(shape, device=self.device, dtype=self.dtype),
+                 torch.empty(shape, device=self.device, dtype=self.dtype)) for _ in range(self.cfg.n_layers)]
 
     def _positions(self, key_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
         if key_mask is None:
             return torch.arange(length, device=self.device).expand(batch, -1)
         return positions_from_padding(key_mask)
 
-    @torch.inference_mode()
-    def full_logits(self, ids: torch.Tensor, key_mask: torch.Tensor | None, start: int, end: int,
-                    write_cache: bool = False) -> torch.Tensor:
-        """One bidirectional pass over ids (B, L); logits only for positions [start, end): (B, end-start, V).
-        With write_cache, every position's keys/values are stored for later window passes.
+    # --- Pass builders: the three kinds of pass the decoders need --------------------------------
 
-        Computing the LM head for the positions that can change, not the whole canvas, keeps
-        memory from growing with canvas x vocabulary.
-        """
+    def full_pass(self, ids: torch.Tensor, key_mask: torch.Tensor | None, logits_from: int, logits_to: int,
+                  kv: KVCache | None = None) -> ForwardPass:
+        """A bidirectional pass over the whole canvas ids (B, L); with kv, every position's keys/values
+        are stored for later window passes. Logits only for [logits_from, logits_to): computing the LM
+        head for the positions that can change keeps memory from growing with canvas x vocabulary."""
         mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, L)
-        positions = self._positions(key_mask, *ids.shape)
-        hidden = self.model.hidden_states(ids, positions, mask, self.kv if write_cache else None, 0)  # (B, L, D)
-        return self.model.logits(hidden[:, start:end])
+        return ForwardPass(ids, self._positions(key_mask, *ids.shape), mask, logits_from, logits_to, "full", kv)
 
-    @torch.inference_mode()
-    def window_logits(self, ids: torch.Tensor, key_mask: torch.Tensor | None, start: int, end: int,
-                      attend_len: int, num_logits: int) -> torch.Tensor:
-        """Bidirectional pass over only ids[:, start:end] of the canvas ids (B, L), attending to cached
-        keys/values of slots [0, attend_len) with this window's fresh ones written in place; logits for
-        the window's first `num_logits` positions: (B, num_logits, V). Fast-dLLM's prefix cache runs
-        the window [block start, L); its DualCache runs the block alone."""
+    def window_pass(self, ids: torch.Tensor, key_mask: torch.Tensor | None, start: int, end: int,
+                    attend_len: int, num_logits: int, kv: KVCache) -> ForwardPass:
+        """A bidirectional pass over only ids[:, start:end] of the canvas ids (B, L), attending to the
+        cached keys/values of slots [0, attend_len) with this window's fresh ones written in place;
+        logits for the window's first `num_logits` positions. Fast-dLLM's prefix cache runs the
+        window [block start, L); its DualCache runs the block alone."""
         mask = None if key_mask is None else key_mask[:, None, None, :attend_len]  # (B, 1, 1, S)
         positions = self._positions(key_mask, *ids.shape)[:, start:end]
-        hidden = self.model.hidden_states(ids[:, start:end], positions, mask, self.kv, start, attend_len)
-        return self.model.logits(hidden[:, :num_logits])
+        return ForwardPass(ids[:, start:end], positions, mask, 0, num_logits, "window", kv, start, attend_len)
 
-    @torch.inference_mode()
-    def causal_logits(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None,
-                      cache_start: int) -> torch.Tensor:
-        """Causal pass of ids (B, T) written into the cache at [cache_start, cache_start+T); logits of
-        the last position (B, V). key_mask (B, cache_start+T) marks real (non-pad) cache slots."""
+    def causal_pass(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None,
+                    cache_start: int, kv: KVCache) -> ForwardPass:
+        """A causal pass of ids (B, T) written into the cache at [cache_start, cache_start+T); logits of
+        the last position. key_mask (B, >= cache_start+T) marks real (non-pad) cache slots."""
         T, end = ids.shape[1], cache_start + ids.shape[1]
         mask = None if key_mask is None else key_mask[:, None, None, :end]  # (B, 1, 1, S)
         if T > 1 and (mask is not None or cache_start > 0):
@@ -81,5 +93,32 @@ class ModelRunner:
             # Each query may see itself, so a left-pad query never has an all-masked row (NaN on some kernels).
             itself = causal.triu(cache_start)  # (T, S): the diagonal
             mask = causal if mask is None else (mask & causal) | itself  # (B, 1, T, S)
-        hidden = self.model.hidden_states(ids, positions, mask, self.kv, cache_start)  # (B, T, D)
-        return self.model.logits(hidden[:, -1])
+        return ForwardPass(ids, positions, mask, T - 1, T, "prefill" if cache_start == 0 else "decode", kv,
+                           cache_start)
+
+    # --- Execution ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, passes: list[ForwardPass]) -> list[torch.Tensor]:
+        """Run the passes as one packed forward pass; per pass, logits (b, logits_to - logits_from, V)."""
+        segments, offset = [], 0
+        for p in passes:
+            b, T = p.ids.shape
+            segments.append(Segment(offset, b, T, p.mask, p.kv, p.cache_start, p.cache_len))
+            offset += b * T
+        ids = torch.cat([p.ids.reshape(-1) for p in passes]) if len(passes) > 1 else passes[0].ids.reshape(-1)
+        positions = torch.cat([p.positions.reshape(-1) for p in passes]) if len(passes) > 1 \
+            else passes[0].positions.reshape(-1)
+        hidden = self.model.packed_hidden_states(ids, positions, segments)  # (N, D)
+        wanted = [hidden[s.rows].view(s.batch, s.length, -1)[:, p.logits_from:p.logits_to]
+                  for p, s in zip(passes, segments)]  # each (b, t, D)
+        if len(passes) == 1:
+            return [self.model.logits(wanted[0])]
+        # One LM-head matmul for every sequence: the head is the largest weight of a small model.
+        logits = self.model.logits(torch.cat([w.reshape(-1, w.shape[-1]) for w in wanted]))  # (sum b*t, V)
+        sizes = [w.shape[0] * w.shape[1] for w in wanted]
+        return [chunk.view(w.shape[0], w.shape[1], -1) for chunk, w in zip(logits.split(sizes), wanted)]
+
+    def logits(self, forward_pass: ForwardPass) -> torch.Tensor:
+        """One pass alone."""
+        return self.execute([forward_pass])[0]

@@ -6,7 +6,13 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from kstep.train.corpus import HELD_OUT_PERCENT, CorpusFile, function_examples, read_text, stdlib_files
+from kstep.train.corpus import (
+    HELD_OUT_PERCENT,
+    CorpusFile,
+    function_examples,
+    read_text,
+    stdlib_files,
+)
 
 
 def corpus_files(corpus: str) -> list[CorpusFile]:

@@ -19,11 +19,19 @@ def positions_for(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def forward_process(tokens: torch.Tensor, mask_id: int, generator: torch.Generator | None = None,
-                    prompt_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    prompt_lengths: torch.Tensor | None = None,
+                    stratified: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Noise (B, L) tokens: t ~ U(eps, 1] per row, each non-prompt token masked with probability t.
-    Returns (noisy tokens, is_masked, p_mask (B, 1))."""
+    Returns (noisy tokens, is_masked, p_mask (B, 1)).
+
+    With `stratified`, the rows' t are MDLM's low-discrepancy sample (arXiv:2406.07524): one uniform
+    offset plus i/B, mod 1; each t is still U(0, 1), so the loss stays unbiased."""
     B, L = tokens.shape
-    t = torch.rand(B, 1, generator=generator, device=tokens.device)
+    if stratified:
+        offset = torch.rand((), generator=generator, device=tokens.device)
+        t = ((offset + torch.arange(B, device=tokens.device) / B) % 1.0)[:, None]
+    else:
+        t = torch.rand(B, 1, generator=generator, device=tokens.device)
     p_mask = (1 - EPS) * t + EPS  # (B, 1)
     is_masked = torch.rand(B, L, generator=generator, device=tokens.device) < p_mask  # (B, L)
     if prompt_lengths is not None:
@@ -32,9 +40,9 @@ def forward_process(tokens: torch.Tensor, mask_id: int, generator: torch.Generat
 
 
 def diffusion_loss(model: Transformer, tokens: torch.Tensor, mask_id: int, generator: torch.Generator | None = None,
-                   prompt_lengths: torch.Tensor | None = None) -> torch.Tensor:
+                   prompt_lengths: torch.Tensor | None = None, stratified: bool = False) -> torch.Tensor:
     B, L = tokens.shape
-    noisy, is_masked, p_mask = forward_process(tokens, mask_id, generator, prompt_lengths)
+    noisy, is_masked, p_mask = forward_process(tokens, mask_id, generator, prompt_lengths, stratified)
     hidden = model.hidden_states(noisy, positions_for(tokens), None)  # (B, L, D)
     logits = model.logits(hidden[is_masked])  # (M, V): the head only where the loss is
     weight = 1.0 / p_mask.expand(B, L)[is_masked]  # (M,)

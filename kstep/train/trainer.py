@@ -49,6 +49,7 @@ class TrainConfig:
     save_every: int = 200
     seed: int = 0
     threads: int | None = None
+    stratified_t: bool = False        # diffusion: MDLM's low-discrepancy t across the batch
     bf16: bool = False                # bf16 autocast: slower on this CPU build (backward matmuls), off by default
     max_positions: int = 2048
 
@@ -144,7 +145,7 @@ class Trainer:
              prompt_lengths: torch.Tensor | None = None) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16 and tokens.device.type == "cpu"):
             if self.cfg.objective == "diffusion":
-                return diffusion_loss(self.model, tokens, self.ids["mask"], generator, prompt_lengths)
+                return diffusion_loss(self.model, tokens, self.ids["mask"], generator, prompt_lengths, self.cfg.stratified_t)
             return ar_loss(self.model, tokens, generator, prompt_lengths)
 
     @torch.no_grad()

@@ -1,0 +1,77 @@
+"""The asyncio face of the engine: one loop that steps the engine in a worker thread (torch
+releases the GIL, so the event loop keeps serving HTTP during a pass) and routes each step's
+outputs to per-request queues. Cancellation is a flag the next step honours."""
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from kstep.engine.engine import Engine, StepStats
+from kstep.engine.request import Request, RequestOutput
+
+log = logging.getLogger("kstep.engine")
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, on_step: Callable[[StepStats, Engine], None] | None = None):
+        self.engine, self.on_step = engine, on_step
+        self.queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kstep-engine")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    def submit(self, request: Request) -> asyncio.Queue[RequestOutput]:
+        """Queue a request; raises QueueFull. Its outputs arrive on the returned queue."""
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.engine.add_request(request)
+        self.queues[request.request_id] = queue
+        self._wake.set()
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (client gone): it leaves the batch at the next step and frees its slot."""
+        self.queues.pop(request_id, None)
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wake.clear()
+            if not self.engine.has_work():
+                await self._wake.wait()
+                continue
+            try:
+                outputs, stats = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as e:  # a failed pass fails its batch, never the server
+                log.exception("engine step failed")
+                outputs, stats = self._fail_running(f"internal error in the engine step: {e}"), None
+            if stats is not None and self.on_step is not None:
+                self.on_step(stats, self.engine)
+            for out in outputs:
+                queue = self.queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+                if out.is_finished:
+                    self.queues.pop(out.request_id, None)
+
+    def _fail_running(self, message: str) -> list[RequestOutput]:
+        outputs = []
+        for request in list(self.engine.scheduler.running):
+            self.engine.scheduler.finish(request)
+            self.engine.streams.pop(request.request_id, None)
+            request.decoder = None
+            outputs.append(RequestOutput(request.request_id, [], 0, is_finished=True, error=message))
+        return outputs

@@ -1,0 +1,52 @@
+"""A request's life in the engine, and what each engine step reports about it."""
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kstep.params import GenerationParams
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """`prompts` (encoded) x `n` rows decode together as one canvas batch: row i is prompt i // n."""
+    prompts: list[list[int]]
+    params: GenerationParams
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    include_canvas: bool = False
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival_time: float = field(default_factory=time.monotonic)
+    decoder: Any = None              # created when the scheduler admits the request
+    is_aborted: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def rows(self) -> list[list[int]]:
+        return [prompt for prompt in self.prompts for _ in range(self.n)]
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int
+    text: str                        # newly committed text since the last output
+    token_ids: list[int]             # newly committed token ids
+    finish_reason: str | None = None  # stop | length | None while running
+    canvas: str | None = None        # the whole current canvas, masks as MASK_PLACEHOLDER (include_canvas)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one engine step changed for one request."""
+    request_id: str
+    choices: list[ChoiceDelta]
+    step: int                        # the request's forward passes so far (its nfe)
+    is_finished: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None         # a request that failed inside the engine (the others keep running)

@@ -1,0 +1,62 @@
+"""FCFS admission with a maximum batch and a bounded queue. Plain Python, no torch: it only
+decides which requests take part in the next step."""
+import threading
+from collections import deque
+
+from kstep.engine.request import Request
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Scheduler:
+    def __init__(self, max_batch_size: int, max_queue: int):
+        if max_batch_size <= 0 or max_queue < 0:
+            raise ValueError(f"max_batch_size ({max_batch_size}) must be > 0 and max_queue ({max_queue}) >= 0")
+        self.max_batch_size, self.max_queue = max_batch_size, max_queue
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._lock = threading.Lock()  # requests arrive on the event loop while a step runs in its thread
+
+    def add(self, request: Request) -> None:
+        with self._lock:
+            free_slots = max(0, self.max_batch_size - len(self.running))  # joins at the next step
+            if len(self.waiting) >= self.max_queue + free_slots:
+                raise QueueFull(f"the server's queue is full ({self.max_queue} requests waiting); retry later")
+            self.waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        """Mark a request aborted; a waiting one leaves the queue now, a running one at the next step."""
+        with self._lock:
+            for request in (*self.waiting, *self.running):
+                if request.request_id == request_id:
+                    request.is_aborted = True
+            self.waiting = deque(r for r in self.waiting if not r.is_aborted)
+
+    def schedule(self) -> tuple[list[Request], list[Request]]:
+        """(the batch for the next step, the requests just admitted into it): running requests keep
+        their slots; waiting ones join in arrival order while there is room."""
+        with self._lock:
+            self.running = [r for r in self.running if not r.is_aborted]
+            admitted = []
+            while self.waiting and len(self.running) < self.max_batch_size:
+                admitted.append(self.waiting.popleft())
+                self.running.append(admitted[-1])
+            return list(self.running), admitted
+
+    def finish(self, request: Request) -> None:
+        with self._lock:
+            if request in self.running:
+                self.running.remove(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

@@ -1,0 +1,1 @@
+"""`kstep serve`: an OpenAI-compatible HTTP server over the engine."""
