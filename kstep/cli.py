@@ -70,6 +70,22 @@ def build_parser() -> argparse.ArgumentParser:
     defaults.add_argument("--threshold", type=float, default=None)
     defaults.add_argument("--factor", type=float, default=None)
     defaults.add_argument("--cfg-scale", type=float, default=None)
+    ev = sub.add_parser("eval", help="quality at each decoding setting (K sweep, thresholds, AR) on a prompt set")
+    ev.add_argument("--model", default="default", help="the diffusion model")
+    ev.add_argument("--ar-model", default="default-ar", help="the AR model at the same N")
+    ev.add_argument("--judge", default=None, help="AR model scoring completions (default: --ar-model)")
+    ev.add_argument("--prompts", default=None,
+                    help="JSONL of {prompt[, body]} or HumanEval {task_id, prompt, test, entry_point} "
+                         "(default: the shipped held-out stdlib functions)")
+    ev.add_argument("--num-prompts", type=int, default=None, help="first K prompts (default: all; --quick: 16)")
+    ev.add_argument("--max-tokens", type=int, default=None, help="N (default 128; --quick: 64)")
+    ev.add_argument("--block-length", type=int, default=32)
+    ev.add_argument("--thresholds", default="0.5,0.7,0.9")
+    ev.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
+    ev.add_argument("--quick", action="store_true", help="16 prompts at N = 64: a few minutes on 2 CPU cores")
+    ev.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ev.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    ev.add_argument("--out", default="out/eval")
     train = sub.add_parser("train", help="train a diffusion (llada) or AR (llama) model on a code corpus")
     from kstep.train.trainer import TrainConfig
     for f in TrainConfig.__dataclass_fields__.values():
@@ -109,6 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="held-out prompts for the quality check of the bundled pair (0: skip)")
     decode.add_argument("--quality-length", type=int, default=128)
     decode.add_argument("--out", default="out/bench")
+    cmp = bench_sub.add_parser("compare", help="diffusion vs AR latency against the cost model's floors")
+    cmp.add_argument("--diffusion-model", default="default")
+    cmp.add_argument("--ar-model", default="default-ar")
+    cmp.add_argument("--prompts", default=None, help="JSONL, one {\"prompt\": ...} per line (default: shipped code prompts)")
+    cmp.add_argument("--num-prompts", type=int, default=None, help="prompts used (default 4; --quick: 2)")
+    cmp.add_argument("--lengths", default=None, help="output lengths N (default 16,64,256,1024; --quick: 16,64,256)")
+    cmp.add_argument("--sides", default=None, help="comma-separated, from: " + ", ".join(
+        ["diffusion exact", "diffusion dual+threshold", "diffusion dual K=N/4", "ar"]))
+    cmp.add_argument("--repeats", type=int, default=1)
+    cmp.add_argument("--block-length", type=int, default=32)
+    cmp.add_argument("--bandwidth-gbs", type=float, default=None, help="skip calibration: this memory bandwidth")
+    cmp.add_argument("--matmul-tflops", type=float, default=None, help="skip calibration: this matmul peak")
+    cmp.add_argument("--quick", action="store_true", help="2 prompts, N up to 256: a few minutes on 2 CPU cores")
+    cmp.add_argument("--threads", type=int, default=None)
+    cmp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    cmp.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    cmp.add_argument("--out", default="out/compare")
     bserve = bench_sub.add_parser("serve", help="concurrent clients against kstep serve, batched vs max batch 1")
     bserve.add_argument("--model", default="default", help="checkpoint or bundled model to serve")
     bserve.add_argument("--url", default=None, help="bench this running server instead (one run, no ratio)")
@@ -177,6 +210,77 @@ def run_serve(args) -> int:
     return 0
 
 
+def _positive_ints(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} must be comma-separated integers") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{flag} {text!r} must be positive integers")
+    return values
+
+
+def _prompt_rows(path: str | None, count: int | None) -> list[dict]:
+    from kstep.bench.prompts import CODE_PROMPTS, read_prompt_file
+    if count is not None and count <= 0:
+        raise ValueError(f"--num-prompts must be positive, got {count}")
+    if path is not None and not os.path.isfile(path):
+        raise ValueError(f"--prompts {path!r}: no such file")
+    rows = read_prompt_file(path or CODE_PROMPTS)
+    return rows[:count] if count else rows
+
+
+def run_bench_compare(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from kstep.bench.compare import SIDES, format_table, run_compare
+    from kstep.bench.cost_model import Device
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    lengths = _positive_ints("--lengths", args.lengths or ("16,64,256" if args.quick else "16,64,256,1024"))
+    sides = [s.strip() for s in (args.sides or ",".join(SIDES)).split(",")]
+    bad = [s for s in sides if s not in SIDES]
+    if bad:
+        raise ValueError(f"--sides: {bad[0]!r} is not a side (choose from {', '.join(SIDES)})")
+    if args.repeats <= 0:
+        raise ValueError(f"--repeats must be positive, got {args.repeats}")
+    calibration = None
+    if (args.bandwidth_gbs is None) != (args.matmul_tflops is None):
+        raise ValueError("--bandwidth-gbs and --matmul-tflops go together (or neither: calibrate)")
+    if args.bandwidth_gbs is not None:
+        if args.bandwidth_gbs <= 0 or args.matmul_tflops <= 0:
+            raise ValueError("--bandwidth-gbs and --matmul-tflops must be positive")
+        calibration = Device("given", args.bandwidth_gbs, args.matmul_tflops, "given")
+    rows = _prompt_rows(args.prompts, args.num_prompts or (2 if args.quick else 4))
+    result = run_compare(args.diffusion_model, args.ar_model, [r["prompt"] for r in rows], lengths, sides,
+                         args.repeats, args.block_length, args.device, args.dtype, Path(args.out), calibration)
+    print(format_table(result))
+    return 0
+
+
+def run_eval_command(args) -> int:
+    from pathlib import Path
+
+    from kstep.eval.run import default_settings, format_table, run_eval
+    n = args.max_tokens or (64 if args.quick else 128)
+    if n <= 0 or args.block_length <= 0 or args.batch_size <= 0:
+        raise ValueError("--max-tokens, --block-length and --batch-size must be positive")
+    try:
+        thresholds = [float(t) for t in args.thresholds.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--thresholds {args.thresholds!r} must be comma-separated numbers") from None
+    if any(not 0 < t <= 1 for t in thresholds):
+        raise ValueError(f"--thresholds {args.thresholds!r}: each must be in (0, 1]")
+    rows = _prompt_rows(args.prompts, args.num_prompts or (16 if args.quick else None))
+    settings = default_settings(n, args.block_length, thresholds)
+    result = run_eval(args.model, args.ar_model, args.judge or args.ar_model, rows, n, settings, args.batch_size,
+                      Path(args.out), args.device, args.dtype)
+    print(format_table(result))
+    return 0
+
+
 def run_bench_serve(args) -> int:
     from pathlib import Path
 
@@ -239,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
                                       args.quality_prompts, Path(args.out))
                 print(f"\nquality at N={args.quality_length}, judged by default-ar:\n" + format_quality(quality))
             return 0
+        if args.command == "bench" and args.bench == "compare":
+            return run_bench_compare(args)
+        if args.command == "eval":
+            return run_eval_command(args)
         if args.command == "bench" and args.bench == "serve":
             return run_bench_serve(args)
         if args.command == "train-report":

@@ -129,10 +129,11 @@ class LLM:
         seconds = time.perf_counter() - start
         timings = {"decode_seconds": seconds, **timings}
         results = []
-        for prompt, row in zip(batch, decoder.completions.tolist()):
+        timings["batch_passes"] = decoder.nfe
+        for prompt, row, nfe in zip(batch, decoder.completions.tolist(), decoder.row_nfe.tolist(), strict=True):
             tokens, reason = self.cut_at_stop(row)
             text = self.tokenizer.decode(tokens) if self.tokenizer else None
-            results.append(GenerationResult(tokens, reason, decoder.nfe, seconds, len(prompt), text, dict(timings)))
+            results.append(GenerationResult(tokens, reason, nfe, seconds, len(prompt), text, dict(timings)))
         return results
 
 

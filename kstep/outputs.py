@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 class GenerationResult:
     token_ids: list[int]             # the completion, cut at the first end-of-sequence token
     finish_reason: str               # "stop" (end-of-sequence reached) or "length"
-    nfe: int                         # forward passes (function evaluations) the batch used
+    nfe: int                         # forward passes this row needed (what it takes alone); timings["batch_passes"]: the batch's
     seconds: float                   # generation time, excluding loading
     prompt_tokens: int
     text: str | None = None          # when the checkpoint has a tokenizer

@@ -26,6 +26,7 @@ class GenerationParams:
     threshold: float | None = None    # unmask every mask with confidence >= threshold (and the best one)
     factor: float | None = None       # Fast-dLLM's factor rule instead of a fixed count per step
     early_stop: bool = True           # stop a row once an end-of-sequence token has nothing masked before it
+    ignore_eos: bool = False          # always produce max_tokens (benchmarks): no stop at end-of-sequence
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:

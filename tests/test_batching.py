@@ -22,6 +22,7 @@ def test_diffusion_batch_equals_single(llada_path, settings):
     alone = [llm.generate(p, **settings)[0] for p in PROMPTS]
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
     assert [r.finish_reason for r in batched] == [r.finish_reason for r in alone]
+    assert [r.nfe for r in batched] == [r.nfe for r in alone]  # each row reports what it needed alone
 
 
 def test_autoregressive_batch_equals_single(llama_path):
@@ -29,6 +30,7 @@ def test_autoregressive_batch_equals_single(llama_path):
     batched = llm.generate(PROMPTS, max_tokens=24)
     alone = [llm.generate(p, max_tokens=24)[0] for p in PROMPTS]
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    assert [r.nfe for r in batched] == [r.nfe for r in alone]
     assert all(len(r.token_ids) > 0 for r in alone)
 
 

@@ -85,5 +85,6 @@ def test_quality_metrics_on_hand_made_completions():
     assert parses(prompt, "    y = x * 2\n    return y\n")
     assert parses(prompt, "    return x * 2\n    if x")  # the partial last line is dropped
     assert not parses(prompt, "    return (x *\n    ]\n")
-    assert parses(prompt, "")  # nothing but the docstring: a body of `pass` is supplied
+    assert not parses(prompt, "")  # no code at all is a failure, though a docstring alone is valid Python
+    assert not parses(prompt, "\n\n")
     assert distinct_ratio([1, 1, 1, 1]) == 0.25 and distinct_ratio([1, 2, 3]) == 1.0

@@ -1,20 +1,52 @@
-"""The benchmarks' default prompts: held-out standard-library functions (signature + docstring),
-from the files the bundled models never trained on (their recorded data split)."""
+"""The benchmarks' default prompts: held-out standard-library functions, signature + docstring as
+the prompt and the real body as the reference, from files the bundled models never trained on
+(their recorded data split). They ship as `kstep/bundled/prompts/code_prompts.jsonl`, written by
+`write_code_prompts` (python -m kstep.bench.prompts), so every machine gets the same set."""
 import json
+from pathlib import Path
 
 from kstep.bundled import resolve_model
 
+CODE_PROMPTS = Path(__file__).resolve().parents[1] / "bundled" / "prompts" / "code_prompts.jsonl"
 
-def held_out_code_prompts(count: int, min_chars: int = 80, max_chars: int = 400, model: str = "default") -> list[str]:
+
+def read_prompt_file(path: str | Path) -> list[dict]:
+    """JSONL, one object per line with at least "prompt" (str); HumanEval files also carry
+    "task_id", "test" and "entry_point"."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise ValueError(f"{path}:{number}: each line must be an object with a non-empty 'prompt' string")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return rows
+
+
+def held_out_code_prompts(count: int | None = None) -> list[str]:
+    """The shipped held-out prompts (the first `count`, or all)."""
+    rows = read_prompt_file(CODE_PROMPTS)
+    return [r["prompt"] for r in rows[:count]]
+
+
+def write_code_prompts(out: Path = CODE_PROMPTS, model: str = "default") -> int:
     from kstep.train import data
     from kstep.train.corpus import function_examples
-    split = resolve_model(model) / "data_split.json"
-    if not split.is_file():
-        raise FileNotFoundError(f"{split} is missing: held-out prompts need a trained model's data split")
-    held_out = set(json.loads(split.read_text())["held_out"])
+    held_out = set(json.loads((resolve_model(model) / "data_split.json").read_text())["held_out"])
     files = [f for f in data.corpus_files("stdlib") if f.rel in held_out]
-    examples = [e.prompt for e in function_examples(files) if min_chars < len(e.prompt) < max_chars]
-    if len(examples) < count:
-        raise ValueError(f"only {len(examples)} held-out prompts of {min_chars}-{max_chars} characters, not {count}")
-    step = len(examples) / count  # spread over the files, not the first few
-    return [examples[int(i * step)] for i in range(count)]
+    examples = [e for e in function_examples(files) if 80 < len(e.prompt) < 500 and 40 < len(e.body) < 800]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        for e in examples:
+            f.write(json.dumps({"prompt": e.prompt, "body": e.body, "source": f"{e.file}:{e.name}"}) + "\n")
+    return len(examples)
+
+
+if __name__ == "__main__":
+    print(write_code_prompts())

@@ -31,6 +31,7 @@ class AutoregressiveDecoder:
         self.out = torch.full((B, N), pad_id, dtype=torch.long, device=prompts.device)
         self.finished = torch.zeros(B, dtype=torch.bool, device=prompts.device)
         self.num_generated, self.nfe, self.is_finished = 0, 0, False
+        self.row_nfe = torch.zeros(B, dtype=torch.long, device=prompts.device)  # passes until each row stopped
 
     @property
     def completions(self) -> torch.Tensor:
@@ -51,9 +52,11 @@ class AutoregressiveDecoder:
         p = self.params
         token = sample_tokens(logits[:, -1], p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
         token = torch.where(self.finished, self.pad_id, token)
+        self.row_nfe += ~self.finished
         self.out[:, self.num_generated] = token
         self.num_generated, self.nfe = self.num_generated + 1, self.nfe + 1
-        self.finished |= torch.isin(token, self.stop_ids)
+        if not p.ignore_eos:
+            self.finished |= torch.isin(token, self.stop_ids)
         if self.num_generated == p.max_tokens or bool(self.finished.all()):
             self.is_finished, self.kv = True, None
 

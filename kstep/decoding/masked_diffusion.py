@@ -72,6 +72,9 @@ class DiffusionDecoder:
         rows = B * (2 if p.cfg_scale > 0 else 1)
         self.kv = None if p.cache == "none" else runner.allocate_kv(rows, self.canvas.shape[1])
         self.block_idx, self.step_idx, self.nfe = 0, 0, 0
+        # Per row, the passes in which it unmasked something: what it would have taken alone (in a
+        # batch a row idles while the others finish a block; those passes change nothing in it).
+        self.row_nfe = torch.zeros(B, dtype=torch.long, device=prompts.device)
         self.is_finished = False
 
     @property
@@ -123,8 +126,9 @@ class DiffusionDecoder:
         confidence = self.rule(logits, candidates, self.generator).masked_fill(~is_masked, float("-inf"))
         chosen = self._choose(confidence) & is_masked
         block.copy_(torch.where(chosen, candidates, block))
+        self.row_nfe += chosen.any(-1)
         self.step_idx, self.nfe = self.step_idx + 1, self.nfe + 1
-        if p.early_stop:
+        if p.early_stop and not p.ignore_eos:
             fill_after_stop(self.completions, self.stop_ids, self.mask_id)
         self._advance()
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from kstep.layers.rotary import apply_rotary
 
@@ -75,5 +76,6 @@ class Attention(nn.Module):
         q = apply_rotary(self.q_proj(x).view(N, self.n_heads, self.head_dim), cos, sin)  # (N, H, hd)
         k = apply_rotary(self.k_proj(x).view(N, self.n_kv_heads, self.head_dim), cos, sin)  # (N, Hkv, hd)
         v = self.v_proj(x).view(N, self.n_kv_heads, self.head_dim)
-        outs = [self._attend(q, k, v, seg, layer_idx, is_causal) for seg in segments]
+        with record_function("kstep.attention"):  # a label for `kstep bench compare`'s time breakdown
+            outs = [self._attend(q, k, v, seg, layer_idx, is_causal) for seg in segments]
         return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))

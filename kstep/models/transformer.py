@@ -7,6 +7,7 @@ serves both causal AR models and bidirectional diffusion models.
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from kstep.layers.attention import Attention, KVCache, Segment
 from kstep.layers.mlp import SwiGLU
@@ -65,7 +66,8 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        out = F.linear(hidden, weight[: self.cfg.vocab_size])
+        with record_function("kstep.lm_head"):
+            out = F.linear(hidden, weight[: self.cfg.vocab_size])
         if self.cfg.logits_scale != 1.0:
             out = out * self.cfg.logits_scale
         return out

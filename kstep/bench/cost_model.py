@@ -1,0 +1,128 @@
+"""The cost model behind `kstep bench compare`: bytes moved and FLOPs of each forward pass, and the
+floor they put under its time on a device with a given memory bandwidth and matmul throughput.
+
+A pass of b rows, T new tokens each, attending to S positions, with the LM head on R positions:
+  FLOPs = 2 * (body weights) * bT  +  4 * S * (heads * head_dim) * layers * bT  +  2 * d * V * bR
+  bytes = (body + head weights) + (K and V read: 2 * S * kv_dim * layers * b, written: ... * bT)
+          + activations (each layer's inputs/outputs: (6d + 3 ffn) * layers * bT) + logits (bR * V * 4)
+  floor = max(bytes / bandwidth, FLOPs / matmul peak)
+An AR generation of N tokens is a prefill (T = P) and N - 1 passes of T = 1; a diffusion
+generation is K passes: the exact sampler's are full passes over prompt + N; with the dual cache,
+one full pass per block and window passes of T = block_length against the cache.
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kstep.models import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    name: str
+    bandwidth_gb_s: float            # memory bandwidth, GB/s
+    matmul_tflops: float             # dense matmul throughput at the dtype used, TFLOP/s
+    source: str                      # "measured" (calibration here) or "data sheet"
+
+
+# Data-sheet figures (dense bf16 tensor throughput, HBM bandwidth): predictions, not measurements.
+ACCELERATORS = {
+    "a100-80gb": Device("A100 80GB SXM", 2039, 312, "data sheet"),
+    "h100-sxm": Device("H100 SXM", 3350, 989, "data sheet"),
+    "h200": Device("H200", 4800, 989, "data sheet"),
+    "l40s": Device("L40S", 864, 362, "data sheet"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PassCost:
+    flops: float
+    bytes: float
+    attention_flops: float = 0.0
+    head_flops: float = 0.0
+
+    def __add__(self, other: "PassCost") -> "PassCost":
+        return PassCost(self.flops + other.flops, self.bytes + other.bytes,
+                        self.attention_flops + other.attention_flops, self.head_flops + other.head_flops)
+
+    def floor_seconds(self, device: Device) -> float:
+        return max(self.bytes / (device.bandwidth_gb_s * 1e9), self.flops / (device.matmul_tflops * 1e12))
+
+
+def body_params(cfg: ModelConfig) -> int:
+    """Weights every token goes through (attention + MLP + norms), not the embedding or the head."""
+    attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    return cfg.n_layers * (attn + 3 * cfg.d_model * cfg.ffn_dim + 2 * cfg.d_model) + cfg.d_model
+
+
+def pass_cost(cfg: ModelConfig, tokens: int, attended: int, logit_rows: int, rows: int = 1,
+              dtype_bytes: int = 4) -> PassCost:
+    """One forward pass: `rows` sequences of `tokens` new tokens attending to `attended` positions,
+    the LM head on `logit_rows` positions each."""
+    bt, br = rows * tokens, rows * logit_rows
+    body, head = body_params(cfg), cfg.d_model * cfg.vocab_size
+    kv_width = 2 * cfg.n_kv_heads * cfg.head_dim * cfg.n_layers  # K and V, every layer, one position
+    attention = 4 * attended * cfg.n_heads * cfg.head_dim * cfg.n_layers * bt
+    head_flops = 2 * head * br
+    flops = 2 * body * bt + attention + head_flops
+    weights = (body + head) * dtype_bytes
+    kv = (rows * attended + bt) * kv_width * dtype_bytes
+    activations = (6 * cfg.d_model + 3 * cfg.ffn_dim) * cfg.n_layers * bt * dtype_bytes
+    logits = br * cfg.vocab_size * 4
+    return PassCost(flops, weights + kv + activations + logits, attention, head_flops)
+
+
+def ar_cost(cfg: ModelConfig, prompt_len: int, n: int, dtype_bytes: int = 4) -> PassCost:
+    """Prefill, then N - 1 single-token passes (the N-th token needs no pass after it)."""
+    total = pass_cost(cfg, prompt_len, prompt_len, 1, dtype_bytes=dtype_bytes)
+    for i in range(1, n):
+        total = total + pass_cost(cfg, 1, prompt_len + i, 1, dtype_bytes=dtype_bytes)
+    return total
+
+
+def diffusion_cost(cfg: ModelConfig, prompt_len: int, n: int, passes: float, block_length: int, cache: str,
+                   dtype_bytes: int = 4) -> PassCost:
+    """`passes` forward passes (K, may be a measured mean) decoding N tokens in blocks.
+    cache none: every pass is full; prefix: one full pass per block, the rest run [block, end);
+    dual: one full pass per block, the rest run the block alone."""
+    length, blocks = prompt_len + n, max(1, n // block_length)
+    full = pass_cost(cfg, length, length, block_length, dtype_bytes=dtype_bytes)
+    if cache == "none":
+        return PassCost(*(passes * x for x in (full.flops, full.bytes, full.attention_flops, full.head_flops)))
+    num_full = min(passes, blocks)
+    total = PassCost(*(num_full * x for x in (full.flops, full.bytes, full.attention_flops, full.head_flops)))
+    num_window = max(0.0, passes - num_full)
+    if cache == "dual":
+        window = pass_cost(cfg, block_length, length, block_length, dtype_bytes=dtype_bytes)
+    else:  # prefix: on average the window is half the canvas after the prompt
+        window = pass_cost(cfg, n // 2 + block_length // 2, length, block_length, dtype_bytes=dtype_bytes)
+    return total + PassCost(*(num_window * x for x in (window.flops, window.bytes, window.attention_flops,
+                                                       window.head_flops)))
+
+
+def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> Device:
+    """Measure this device: bandwidth from a large copy (read + write), matmul throughput from a
+    square matmul, each the best of repeated runs for `seconds`."""
+    device = torch.device(device)
+
+    def best_of(fn) -> float:
+        fn()
+        best, deadline = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    src = torch.ones(64 * 1024 * 1024 // 4, dtype=torch.float32, device=device)  # 64 MiB: beyond the caches
+    dst = torch.empty_like(src)
+    copy_s = best_of(lambda: dst.copy_(src))
+    n = 1024 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    mm_s = best_of(lambda: a @ b)
+    name = "this CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    return Device(name, 2 * src.numel() * 4 / copy_s / 1e9, 2 * n ** 3 / mm_s / 1e12, "measured")
