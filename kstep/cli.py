@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--factor", type=float, default=None, help="Fast-dLLM's factor unmask rule")
     gen.add_argument("--no-early-stop", dest="early_stop", action="store_const", const=False, default=None,
                      help="keep refining after an end-of-sequence token is final")
+    gen.add_argument("--draft", default=None, help="AR draft model for speculative decoding (e.g. default-draft)")
+    gen.add_argument("--num-draft-tokens", type=int, default=None,
+                     help="draft tokens per target pass (default 4 with --draft)")
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
@@ -63,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     serve.add_argument("--dtype", default="float32", choices=list(DTYPES))
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--draft", default=None, help="AR draft model: speculative decoding for an AR --model")
+    serve.add_argument("--num-draft-tokens", type=int, default=None,
+                       help="default draft tokens per target pass (default 4 with --draft)")
     defaults = serve.add_argument_group("decoding defaults for this model (a request's fields override them)")
     defaults.add_argument("--block-length", type=int, default=None)
     defaults.add_argument("--remasking", default=None, choices=list(UNMASK_RULES))
@@ -162,13 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_generate(args: argparse.Namespace) -> int:
     # Only the flags given: every default lives in GenerationParams.
-    given = {name: getattr(args, name) for name in GenerationParams.__dataclass_fields__}
+    if args.draft is not None and args.num_draft_tokens is None:
+        args.num_draft_tokens = 4
+    given = {name: getattr(args, name, None) for name in GenerationParams.__dataclass_fields__}
     params = GenerationParams(**{name: value for name, value in given.items() if value is not None})
     if not args.prompts and not args.prompt_ids:
         raise ValueError("no prompt given: pass PROMPT text or --prompt-ids")
     if any(p == "" for p in args.prompts) or any(not ids for ids in args.prompt_ids):
         raise ValueError("prompt is empty: give at least one token")
-    llm = load(args.model, device=args.device, dtype=args.dtype)
+    llm = load(args.model, device=args.device, dtype=args.dtype, draft=args.draft)
     prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompts]
     results = llm.generate(prompts + args.prompt_ids, params)
     for result in results:
@@ -177,8 +185,11 @@ def run_generate(args: argparse.Namespace) -> int:
         else:
             body = result.text if result.text is not None else " ".join(map(str, result.token_ids))
             print(body)
+            spec = ""
+            if "acceptance_rate" in result.timings:
+                spec = f", draft acceptance {result.timings['acceptance_rate']:.0%}"
             print(f"-- {result.completion_tokens} tokens, finish_reason={result.finish_reason}, nfe={result.nfe}, "
-                  f"{result.seconds:.2f} s, {result.tokens_per_forward:.2f} tokens/forward", file=sys.stderr)
+                  f"{result.seconds:.2f} s, {result.tokens_per_forward:.2f} tokens/forward{spec}", file=sys.stderr)
     return 0
 
 
@@ -195,9 +206,12 @@ def run_serve(args) -> int:
     names = ("block_length", "remasking", "cache", "threshold", "factor", "cfg_scale")
     defaults = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     GenerationParams(**defaults)  # a bad default fails now, naming the flag's value
-    llm = load(args.model, device=args.device, dtype=args.dtype)
+    llm = load(args.model, device=args.device, dtype=args.dtype, draft=args.draft)
     if not llm.is_diffusion:
         defaults = {k: v for k, v in defaults.items() if k not in names}
+    if args.draft is not None:
+        defaults["num_draft_tokens"] = 4 if args.num_draft_tokens is None else args.num_draft_tokens
+        GenerationParams(**defaults)
     config = ServeConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                          max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,

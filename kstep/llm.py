@@ -13,6 +13,7 @@ from kstep.bundled import resolve_model
 from kstep.decoding.autoregressive import AutoregressiveDecoder
 from kstep.decoding.loop import Decoder, decode_alone
 from kstep.decoding.masked_diffusion import DiffusionDecoder
+from kstep.decoding.speculative import SpeculativeDecoder
 from kstep.outputs import GenerationResult
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ModelRunner
@@ -33,7 +34,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 class LLM:
-    def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"):
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
+                 draft: "str | Path | LLM | None" = None):
         self.path = resolve_model(path)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -46,6 +48,20 @@ class LLM:
         self.stop_ids = list(dict.fromkeys([*self.cfg.eos_token_ids, *eot]))
         self.pad_id = next(i for i in (self.cfg.pad_token_id, *self.stop_ids, 0) if i is not None
                            and i != self.cfg.mask_token_id)
+        self.draft = None if draft is None else draft if isinstance(draft, LLM) else LLM(draft, device, dtype)
+        if self.draft is not None:
+            self._check_draft(self.draft)
+
+    def _check_draft(self, draft: "LLM") -> None:
+        """A draft must be an AR model over the same vocabulary: its token ids mean the target's."""
+        if not self.cfg.is_causal or not draft.cfg.is_causal:
+            raise ValueError("speculative decoding needs an autoregressive target and draft "
+                             f"({self.path.name}: {self.cfg.family}, draft {draft.path.name}: {draft.cfg.family})")
+        same = draft.cfg.vocab_size == self.cfg.vocab_size
+        if same and self.tokenizer is not None and draft.tokenizer is not None:
+            same = self.tokenizer.vocab() == draft.tokenizer.vocab()
+        if not same:
+            raise ValueError(f"draft {draft.path} does not share the target's tokenizer/vocabulary")
 
     @property
     def is_diffusion(self) -> bool:
@@ -107,6 +123,14 @@ class LLM:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         ids, key_mask = self._left_pad(batch)
         stop = torch.tensor(self.stop_ids or [-1], device=self.device)
+        if params.num_draft_tokens > 0:
+            if self.draft is None:
+                raise ValueError("num_draft_tokens > 0 needs a draft model (kstep.load(..., draft=...), --draft)")
+            if longest + params.max_tokens + params.num_draft_tokens + 1 > self.cfg.max_positions:
+                raise ValueError(f"prompt ({longest}) + max_tokens ({params.max_tokens}) + num_draft_tokens + 1 "
+                                 f"exceeds the model's context of {self.cfg.max_positions}")
+            return SpeculativeDecoder(self.runner, self.draft.runner, ids, key_mask, params, stop, self.pad_id,
+                                      generator)
         if self.is_diffusion:
             return DiffusionDecoder(self.runner, ids, key_mask, params, self.cfg.mask_token_id, stop, generator)
         return AutoregressiveDecoder(self.runner, ids, key_mask, params, stop, self.pad_id, generator)
@@ -130,6 +154,8 @@ class LLM:
         timings = {"decode_seconds": seconds, **timings}
         results = []
         timings["batch_passes"] = decoder.nfe
+        if isinstance(decoder, SpeculativeDecoder):
+            timings.update(decoder.stats())
         for prompt, row, nfe in zip(batch, decoder.completions.tolist(), decoder.row_nfe.tolist(), strict=True):
             tokens, reason = self.cut_at_stop(row)
             text = self.tokenizer.decode(tokens) if self.tokenizer else None
@@ -138,7 +164,8 @@ class LLM:
 
 
 def load(path: str | Path = "default", device: str | torch.device = "cpu",
-         dtype: str | torch.dtype = "float32") -> LLM:
+         dtype: str | torch.dtype = "float32", draft: str | Path | None = None) -> LLM:
     """Load a checkpoint directory (config.json + safetensors [+ tokenizer.json]) or a bundled model
-    by name (`default`, `default-ar`, `default-draft`) for generation."""
-    return LLM(path, device, dtype)
+    by name (`default`, `default-ar`, `default-draft`) for generation; `draft` adds a draft model
+    for speculative decoding (`num_draft_tokens`)."""
+    return LLM(path, device, dtype, draft)

@@ -27,6 +27,7 @@ class GenerationParams:
     factor: float | None = None       # Fast-dLLM's factor rule instead of a fixed count per step
     early_stop: bool = True           # stop a row once an end-of-sequence token has nothing masked before it
     ignore_eos: bool = False          # always produce max_tokens (benchmarks): no stop at end-of-sequence
+    num_draft_tokens: int = 0         # AR speculative decoding: draft tokens per target pass (0 = off)
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -55,6 +56,8 @@ class GenerationParams:
         if (self.threshold is not None or self.factor is not None) and self.remasking == "entropy":
             raise ValueError("threshold and factor compare confidences with probabilities; remasking 'entropy' "
                              "scores negative entropy: use low_confidence, margin or random")
+        if not isinstance(self.num_draft_tokens, int) or not 0 <= self.num_draft_tokens <= 16:
+            raise ValueError(f"num_draft_tokens must be an integer in [0, 16], got {self.num_draft_tokens!r}")
         if self.threshold is not None and self.factor is not None:
             raise ValueError("threshold and factor are two unmask policies: give one, not both")
 

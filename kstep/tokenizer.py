@@ -38,6 +38,9 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

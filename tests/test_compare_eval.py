@@ -7,7 +7,13 @@ import sys
 import pytest
 
 from kstep.bench.compare import interpolate_crossover, run_compare
-from kstep.bench.cost_model import Device, ar_cost, body_params, diffusion_cost, pass_cost
+from kstep.bench.cost_model import (
+    Device,
+    ar_cost,
+    body_params,
+    diffusion_cost,
+    pass_cost,
+)
 from kstep.eval.execution import humaneval_program, passes_tests
 from kstep.eval.metrics import edit_distance, function_part, normalized_edit_distance
 from kstep.eval.run import default_settings, run_eval

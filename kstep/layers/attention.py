@@ -25,7 +25,8 @@ class Segment:
     mask: bool (batch, 1, length|1, S), True = may attend, or None. With a cache, this pass's
     keys/values are written at [cache_start, cache_start + length) and the queries attend to cache
     slots [0, cache_len) (default: up to this pass's end); slots past the written window hold keys
-    from an earlier pass (Fast-dLLM's DualCache suffix)."""
+    from an earlier pass (Fast-dLLM's DualCache suffix). With `cache_slots` (batch, length), each
+    row writes at its own slots instead (rows of different lengths: speculative decoding)."""
     offset: int
     batch: int
     length: int
@@ -33,6 +34,7 @@ class Segment:
     cache: KVCache | None = None
     cache_start: int = 0
     cache_len: int | None = None
+    cache_slots: torch.Tensor | None = None
 
     @property
     def rows(self) -> slice:
@@ -58,8 +60,13 @@ class Attention(nn.Module):
         if seg.cache is not None:
             k_cache, v_cache = seg.cache[layer_idx]
             end = seg.cache_start + seg.length
-            k_cache[:, :, seg.cache_start:end] = k
-            v_cache[:, :, seg.cache_start:end] = v
+            if seg.cache_slots is not None:  # per-row slots: index_put through a (b, S, h, hd) view
+                rows = torch.arange(seg.batch, device=k.device)[:, None]
+                k_cache.transpose(1, 2)[rows, seg.cache_slots] = k.transpose(1, 2)
+                v_cache.transpose(1, 2)[rows, seg.cache_slots] = v.transpose(1, 2)
+            else:
+                k_cache[:, :, seg.cache_start:end] = k
+                v_cache[:, :, seg.cache_start:end] = v
             length = end if seg.cache_len is None else seg.cache_len
             k, v = k_cache[:, :, :length], v_cache[:, :, :length]  # views: no copy
         out = F.scaled_dot_product_attention(

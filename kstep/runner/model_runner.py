@@ -31,6 +31,7 @@ class ForwardPass:
     kv: KVCache | None = None
     cache_start: int = 0
     cache_len: int | None = None
+    cache_slots: torch.Tensor | None = None   # (b, T): per-row write slots (rows of different lengths)
 
     @property
     def num_tokens(self) -> int:
@@ -50,12 +51,14 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def allocate_kv(self, batch: int, length: int) -> KVCache:
-        """Preallocate one sequence's KV cache for its whole life: no per-step allocation or concatenation."""
+        """Preallocate one sequence's KV cache for its whole life: no per-step allocation or concatenation.
+        Zeroed, not empty: a masked-out slot that was never written still enters attention's matmul
+        with weight 0, and 0 x NaN from uninitialised memory would be NaN."""
         if length > self.cfg.max_positions:
             raise ValueError(f"prompt + max_tokens ({length}) exceeds the model's context of {self.cfg.max_positions}")
         shape = (batch, self.cfg.n_kv_heads, length, self.cfg.head_dim)
-        return [(torch.empty(shape, device=self.device, dtype=self.dtype),
-                 torch.empty(shape, device=self.device, dtype=self.dtype)) for _ in range(self.cfg.n_layers)]
+        return [(torch.zeros(shape, device=self.device, dtype=self.dtype),
+                 torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(self.cfg.n_layers)]
 
     def _positions(self, key_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
         if key_mask is None:
@@ -96,6 +99,21 @@ class ModelRunner:
         return ForwardPass(ids, positions, mask, T - 1, T, "prefill" if cache_start == 0 else "decode", kv,
                            cache_start)
 
+    def ragged_causal_pass(self, ids: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
+                           real: torch.Tensor, kv: KVCache) -> ForwardPass:
+        """A causal pass where each row b writes its T tokens at its own slots [starts[b], starts[b]+T)
+        and attends to its cached slots before starts[b] that `real` (B, S_max) marks, plus this
+        pass's tokens up to itself. Logits for all T positions (speculative verification)."""
+        B, T = ids.shape
+        offsets = torch.arange(T, device=self.device)
+        slots = starts[:, None] + offsets  # (B, T)
+        attend_len = int(slots.max()) + 1
+        key = torch.arange(attend_len, device=self.device)  # (S,)
+        cached = real[:, :attend_len] & (key < starts[:, None])  # (B, S)
+        new = (key[None, None, :] >= starts[:, None, None]) & (key[None, None, :] <= slots[:, :, None])  # (B, T, S)
+        mask = (cached[:, None, :] | new)[:, None]  # (B, 1, T, S)
+        return ForwardPass(ids, positions, mask, 0, T, "verify", kv, 0, attend_len, slots)
+
     # --- Execution ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -104,7 +122,7 @@ class ModelRunner:
         segments, offset = [], 0
         for p in passes:
             b, T = p.ids.shape
-            segments.append(Segment(offset, b, T, p.mask, p.kv, p.cache_start, p.cache_len))
+            segments.append(Segment(offset, b, T, p.mask, p.kv, p.cache_start, p.cache_len, p.cache_slots))
             offset += b * T
         ids = torch.cat([p.ids.reshape(-1) for p in passes]) if len(passes) > 1 else passes[0].ids.reshape(-1)
         positions = torch.cat([p.positions.reshape(-1) for p in passes]) if len(passes) > 1 \

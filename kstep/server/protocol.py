@@ -41,6 +41,7 @@ class SamplingFields(BaseModel):
     cfg_scale: float | None = None
     early_stop: bool | None = None
     ignore_eos: bool | None = None
+    num_draft_tokens: StrictInt | None = None   # AR with a --draft: speculative tokens per pass (0 = off)
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -67,7 +68,7 @@ class SamplingFields(BaseModel):
         if self.top_p is not None and self.top_p < 1:
             fields["top_p"] = self.top_p
         for name in ("seed", "top_k", "steps", "block_length", "remasking", "threshold", "factor", "cache",
-                     "cfg_scale", "early_stop", "ignore_eos"):
+                     "cfg_scale", "early_stop", "ignore_eos", "num_draft_tokens"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         return GenerationParams(**fields)

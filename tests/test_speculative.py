@@ -1,0 +1,94 @@
+"""Speculative decoding: greedy output equals the target's own greedy output (batched, rows of
+different lengths accepting different numbers of drafts); the rejection rule samples exactly the
+target's distribution (a statistical test on a 4-token vocabulary); the CLI and the server use it."""
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+
+import kstep
+from kstep.bench.server_process import running_server
+from kstep.decoding.speculative import accept_drafts
+from kstep.random_checkpoint import write_random_checkpoint
+
+PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, item):", "x"]
+
+
+@pytest.fixture(scope="module")
+def draft_path(tmp_path_factory):
+    # Same tokenizer as llama_path (both are trained on the same text), smaller and differently seeded.
+    return write_random_checkpoint(tmp_path_factory.mktemp("draft"), family="llama", seed=3, d_model=32,
+                                   n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64)
+
+
+@pytest.fixture(scope="module")
+def self_draft(llama_path):
+    """The target as its own draft: every greedy draft is accepted, which pins the bookkeeping."""
+    return kstep.load(llama_path, draft=llama_path)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_equals_target_greedy_batched(llama_path, draft_path, gamma):
+    llm = kstep.load(llama_path, draft=draft_path)
+    plain = llm.generate(PROMPTS, max_tokens=24)
+    spec = llm.generate(PROMPTS, max_tokens=24, num_draft_tokens=gamma)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert [r.finish_reason for r in spec] == [r.finish_reason for r in plain]
+    assert 0 <= spec[0].timings["acceptance_rate"] <= 1
+
+
+def test_perfect_draft_accepts_everything(self_draft):
+    out = self_draft.generate(PROMPTS[:2], max_tokens=24, num_draft_tokens=3)
+    assert out[0].timings["acceptance_rate"] == 1.0
+    assert out[0].token_ids == self_draft.generate(PROMPTS[0], max_tokens=24)[0].token_ids
+    assert out[0].nfe == 1 + -(-23 // 4)  # prefill, then 4 tokens per target pass
+
+
+def test_rejection_rule_samples_the_target_distribution():
+    torch.manual_seed(0)
+    V, gamma, B = 4, 2, 200_000
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    q = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.1, 0.1, 0.1, 0.7]], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(1)
+    drafts = torch.stack([torch.multinomial(q[i], B, replacement=True, generator=generator) for i in range(gamma)], 1)
+    num_kept, following = accept_drafts(p.expand(B, -1, -1), q.expand(B, -1, -1), drafts, generator)
+    first = torch.where(num_kept > 0, drafts[:, 0], following)  # the first emitted token
+    empirical = torch.bincount(first, minlength=V).double() / B
+    assert (empirical - p[0]).abs().sum() / 2 < 0.01, empirical  # total variation
+    kept_first = num_kept > 0
+    second = torch.where(num_kept[kept_first] > 1, drafts[kept_first, 1], following[kept_first])
+    empirical = torch.bincount(second, minlength=V).double() / len(second)
+    assert (empirical - p[1]).abs().sum() / 2 < 0.01, empirical
+    assert 0 < (num_kept == 0).double().mean() < 1  # it really rejects sometimes
+
+
+def test_sampling_is_seeded_and_batched(llama_path, draft_path):
+    llm = kstep.load(llama_path, draft=draft_path)
+    a = llm.generate(PROMPTS, max_tokens=16, temperature=0.9, seed=5, num_draft_tokens=3)
+    b = llm.generate(PROMPTS, max_tokens=16, temperature=0.9, seed=5, num_draft_tokens=3)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert all(len(r.token_ids) > 0 for r in a)
+
+
+def test_bad_draft_settings(llama_path, llada_path):
+    with pytest.raises(ValueError, match="needs a draft"):
+        kstep.load(llama_path).generate("x", num_draft_tokens=2)
+    with pytest.raises(ValueError, match="autoregressive"):
+        kstep.load(llama_path, draft=llada_path)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        kstep.GenerationParams(num_draft_tokens=-1)
+
+
+def test_cli_and_server(llama_path, draft_path):
+    proc = subprocess.run([sys.executable, "-m", "kstep", "generate", "def f(x):", "--model", str(llama_path),
+                           "--draft", str(draft_path), "--num-draft-tokens", "3", "--max-tokens", "12"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "draft acceptance" in proc.stderr, proc.stderr
+    expected = kstep.load(llama_path).generate("def f(x):", max_tokens=12)[0].text
+    with running_server(llama_path, "--draft", str(draft_path), "--served-model-name", "tiny") as (url, _):
+        body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 12, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body).json()["choices"][0]["text"] == expected
+        off = httpx.post(url + "/v1/completions", json={**body, "num_draft_tokens": 0}).json()
+        assert off["choices"][0]["text"] == expected and off["usage"]["nfe"] == 12
