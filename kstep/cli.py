@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     gen.add_argument("--dtype", default="float32", choices=list(DTYPES))
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    gen.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                     help="weight-only quantization of the linear layers at load time")
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     serve.add_argument("--model", default="default", help="checkpoint directory or bundled model name")
     serve.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
@@ -66,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     serve.add_argument("--dtype", default="float32", choices=list(DTYPES))
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                       help="weight-only quantization of the linear layers at load time")
     serve.add_argument("--draft", default=None, help="AR draft model: speculative decoding for an AR --model")
     serve.add_argument("--num-draft-tokens", type=int, default=None,
                        help="default draft tokens per target pass (default 4 with --draft)")
@@ -148,6 +152,25 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     cmp.add_argument("--dtype", default="float32", choices=list(DTYPES))
     cmp.add_argument("--out", default="out/compare")
+    bquant = bench_sub.add_parser("quant", help="weight-only int8/int4: memory, time per pass, held-out NLL")
+    bquant.add_argument("--models", default="default-ar,default", help="comma-separated checkpoints or bundled names")
+    bquant.add_argument("--modes", default="none,int8,int4")
+    bquant.add_argument("--windows", type=int, default=16, help="held-out windows scored")
+    bquant.add_argument("--seq-len", type=int, default=512)
+    bquant.add_argument("--mc-samples", type=int, default=8, help="Monte-Carlo draws of the diffusion bound")
+    bquant.add_argument("--max-tokens", type=int, default=64, help="generation timed per pass")
+    bquant.add_argument("--repeats", type=int, default=3)
+    bquant.add_argument("--threads", type=int, default=None)
+    bquant.add_argument("--out", default="out/bench")
+    bar = bench_sub.add_parser("ar", help="the AR path: plain, speculative, int8 vs transformers' generate()")
+    bar.add_argument("--model", default="default-ar")
+    bar.add_argument("--draft", default="default-draft")
+    bar.add_argument("--num-draft-tokens", type=int, default=4)
+    bar.add_argument("--lengths", default="64,256,1024")
+    bar.add_argument("--batches", default="1,8")
+    bar.add_argument("--repeats", type=int, default=1)
+    bar.add_argument("--threads", type=int, default=None)
+    bar.add_argument("--out", default="out/bench")
     bserve = bench_sub.add_parser("serve", help="concurrent clients against kstep serve, batched vs max batch 1")
     bserve.add_argument("--model", default="default", help="checkpoint or bundled model to serve")
     bserve.add_argument("--url", default=None, help="bench this running server instead (one run, no ratio)")
@@ -176,7 +199,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError("no prompt given: pass PROMPT text or --prompt-ids")
     if any(p == "" for p in args.prompts) or any(not ids for ids in args.prompt_ids):
         raise ValueError("prompt is empty: give at least one token")
-    llm = load(args.model, device=args.device, dtype=args.dtype, draft=args.draft)
+    llm = load(args.model, device=args.device, dtype=args.dtype, draft=args.draft, quantize=args.quantize)
     prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompts]
     results = llm.generate(prompts + args.prompt_ids, params)
     for result in results:
@@ -206,7 +229,7 @@ def run_serve(args) -> int:
     names = ("block_length", "remasking", "cache", "threshold", "factor", "cfg_scale")
     defaults = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     GenerationParams(**defaults)  # a bad default fails now, naming the flag's value
-    llm = load(args.model, device=args.device, dtype=args.dtype, draft=args.draft)
+    llm = load(args.model, device=args.device, dtype=args.dtype, draft=args.draft, quantize=args.quantize)
     if not llm.is_diffusion:
         defaults = {k: v for k, v in defaults.items() if k not in names}
     if args.draft is not None:
@@ -295,6 +318,35 @@ def run_eval_command(args) -> int:
     return 0
 
 
+def run_bench_quant_or_ar(args) -> int:
+    from pathlib import Path
+
+    import torch
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.repeats <= 0:
+        raise ValueError(f"--repeats must be positive, got {args.repeats}")
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.bench == "quant":
+        from kstep.bench.quant import format_table, run_quant
+        modes = [m.strip() for m in args.modes.split(",")]
+        bad = [m for m in modes if m not in ("none", "int8", "int4")]
+        if bad or not modes:
+            raise ValueError(f"--modes: {bad[0] if bad else args.modes!r} is not none, int8 or int4")
+        if modes[0] != "none":
+            modes.insert(0, "none")  # the baseline every ratio is measured against
+        rows = run_quant([m.strip() for m in args.models.split(",")], [None if m == "none" else m for m in modes],
+                         args.windows, args.seq_len, args.mc_samples, args.max_tokens, args.repeats, Path(args.out),
+                         progress)
+    else:
+        from kstep.bench.ar import format_table, run_ar_bench
+        rows = run_ar_bench(args.model, args.draft, _positive_ints("--lengths", args.lengths),
+                            _positive_ints("--batches", args.batches), args.num_draft_tokens, args.repeats,
+                            Path(args.out), progress)
+    print(format_table(rows))
+    return 0
+
+
 def run_bench_serve(args) -> int:
     from pathlib import Path
 
@@ -361,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench_compare(args)
         if args.command == "eval":
             return run_eval_command(args)
+        if args.command == "bench" and args.bench in ("quant", "ar"):
+            return run_bench_quant_or_ar(args)
         if args.command == "bench" and args.bench == "serve":
             return run_bench_serve(args)
         if args.command == "train-report":

@@ -14,6 +14,7 @@ from kstep.decoding.autoregressive import AutoregressiveDecoder
 from kstep.decoding.loop import Decoder, decode_alone
 from kstep.decoding.masked_diffusion import DiffusionDecoder
 from kstep.decoding.speculative import SpeculativeDecoder
+from kstep.layers.quantized import quantize_model
 from kstep.outputs import GenerationResult
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ModelRunner
@@ -35,12 +36,15 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 class LLM:
     def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                 draft: "str | Path | LLM | None" = None):
+                 draft: "str | Path | LLM | None" = None, quantize: str | None = None):
         self.path = resolve_model(path)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was requested but no CUDA device is available")
         self.model = load_model(self.path, self.device, resolve_dtype(dtype))
+        self.quantize = quantize
+        if quantize is not None:
+            quantize_model(self.model, quantize)
         self.cfg = self.model.cfg
         self.tokenizer: Tokenizer | None = load_tokenizer(self.path)
         self.runner = ModelRunner(self.model)
@@ -48,7 +52,8 @@ class LLM:
         self.stop_ids = list(dict.fromkeys([*self.cfg.eos_token_ids, *eot]))
         self.pad_id = next(i for i in (self.cfg.pad_token_id, *self.stop_ids, 0) if i is not None
                            and i != self.cfg.mask_token_id)
-        self.draft = None if draft is None else draft if isinstance(draft, LLM) else LLM(draft, device, dtype)
+        self.draft = None if draft is None else draft if isinstance(draft, LLM) else LLM(draft, device, dtype,
+                                                                                         quantize=quantize)
         if self.draft is not None:
             self._check_draft(self.draft)
 
@@ -164,8 +169,9 @@ class LLM:
 
 
 def load(path: str | Path = "default", device: str | torch.device = "cpu",
-         dtype: str | torch.dtype = "float32", draft: str | Path | None = None) -> LLM:
+         dtype: str | torch.dtype = "float32", draft: str | Path | None = None, quantize: str | None = None) -> LLM:
     """Load a checkpoint directory (config.json + safetensors [+ tokenizer.json]) or a bundled model
     by name (`default`, `default-ar`, `default-draft`) for generation; `draft` adds a draft model
-    for speculative decoding (`num_draft_tokens`)."""
-    return LLM(path, device, dtype, draft)
+    for speculative decoding (`num_draft_tokens`); `quantize` ("int8" or "int4") quantizes the
+    linear layers' weights at load time."""
+    return LLM(path, device, dtype, draft, quantize)

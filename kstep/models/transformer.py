@@ -65,9 +65,12 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped."""
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         with record_function("kstep.lm_head"):
-            out = F.linear(hidden, weight[: self.cfg.vocab_size])
+            if self.lm_head is None or isinstance(self.lm_head, nn.Linear):
+                weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+                out = F.linear(hidden, weight[: self.cfg.vocab_size])
+            else:  # a quantized head computes the padded rows too
+                out = self.lm_head(hidden)[..., : self.cfg.vocab_size]
         if self.cfg.logits_scale != 1.0:
             out = out * self.cfg.logits_scale
         return out

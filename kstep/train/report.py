@@ -61,7 +61,11 @@ def held_out_windows(model_dir: Path, seq_len: int, count: int) -> torch.Tensor:
 
 
 def held_out_nll(model_dir: Path, windows: torch.Tensor, mc_samples: int) -> float:
-    llm = kstep.load(model_dir)
+    return held_out_nll_of(kstep.load(model_dir), windows, mc_samples)
+
+
+def held_out_nll_of(llm, windows: torch.Tensor, mc_samples: int) -> float:
+    """Per-token held-out NLL (AR) or its upper bound (diffusion, Monte-Carlo ELBO) of a loaded model."""
     if llm.is_diffusion:
         nll = diffusion_nll_bound(llm.model, windows, llm.cfg.mask_token_id, mc_samples,
                                   torch.Generator().manual_seed(0))
