@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="chat max_tokens when not given")
+    serve.add_argument("--prefix-cache-mib", type=int, default=256,
+                       help="AR prefix cache budget in MiB (0 turns it off; diffusion models never use it)")
     serve.add_argument("--graceful-timeout", type=float, default=30.0,
                        help="seconds SIGTERM waits for in-flight requests before exiting")
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -181,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
                         help="extra request field, e.g. cache=dual or threshold=0.9 (repeatable)")
     bserve.add_argument("--threads", type=int, default=None, help="the server's torch threads")
+    bserve.add_argument("--shared-prefix-tokens", type=int, default=0,
+                        help="put the same N-token text before every prompt and compare prefix cache on / off")
     bserve.add_argument("--out", default="out/bench")
     rand = sub.add_parser("random-checkpoint", help="write a small random-weight checkpoint (tests, demos)")
     rand.add_argument("--family", default="llada", choices=["llada", "llama"])
@@ -221,6 +225,8 @@ def run_serve(args) -> int:
     import uvicorn
 
     from kstep.server.app import ServeConfig, build_app
+    if args.prefix_cache_mib < 0:
+        raise ValueError(f"--prefix-cache-mib {args.prefix_cache_mib} must be >= 0")
     for name in ("port", "max_batch_size", "max_queue", "max_body_bytes", "default_max_tokens"):
         if getattr(args, name) <= 0 or (name == "port" and args.port > 65535):
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
@@ -238,7 +244,7 @@ def run_serve(args) -> int:
     config = ServeConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                          max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
-                         defaults=defaults)
+                         prefix_cache_bytes=args.prefix_cache_mib << 20, defaults=defaults)
     kind = "diffusion" if llm.is_diffusion else "autoregressive"
     print(f"kstep serve: {config.model_name} ({kind}, {llm.path}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
@@ -365,8 +371,11 @@ def run_bench_serve(args) -> int:
         except json.JSONDecodeError:
             settings[key] = value
     prompts = held_out_code_prompts(args.num_prompts)
+    if args.shared_prefix_tokens < 0:
+        raise ValueError(f"--shared-prefix-tokens must be >= 0, got {args.shared_prefix_tokens}")
     result = run_bench(args.model, args.concurrency, args.duration, args.max_tokens, prompts, settings, args.threads,
-                       args.url, Path(args.out), progress=lambda line: print(line, file=sys.stderr, flush=True))
+                       args.url, Path(args.out), progress=lambda line: print(line, file=sys.stderr, flush=True),
+                       shared_prefix_tokens=args.shared_prefix_tokens)
     print(format_table(result))
     return 0
 

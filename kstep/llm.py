@@ -114,7 +114,7 @@ class LLM:
                 return row[:i], "stop"
         return row, "length"
 
-    def make_decoder(self, batch: list[list[int]], params: GenerationParams) -> Decoder:
+    def make_decoder(self, batch: list[list[int]], params: GenerationParams, prefix_cache=None) -> Decoder:
         """The decoder for a batch of encoded prompts (left-padded into one canvas batch). It is
         stepped alone by `generate`, or with other requests' decoders by the serving engine."""
         if not batch:
@@ -138,7 +138,7 @@ class LLM:
                                       generator)
         if self.is_diffusion:
             return DiffusionDecoder(self.runner, ids, key_mask, params, self.cfg.mask_token_id, stop, generator)
-        return AutoregressiveDecoder(self.runner, ids, key_mask, params, stop, self.pad_id, generator)
+        return AutoregressiveDecoder(self.runner, ids, key_mask, params, stop, self.pad_id, generator, prefix_cache)
 
     def generate(self, prompts: Prompt | list[Prompt], params: GenerationParams | None = None,
                  **overrides) -> list[GenerationResult]:

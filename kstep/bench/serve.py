@@ -94,26 +94,54 @@ def server(model: str, max_batch_size: int, threads: int | None, extra: list[str
         yield url
 
 
+def shared_prefix_text(model: str, num_tokens: int, source: list[str]) -> str:
+    """About `num_tokens` tokens of held-out code, to put in front of every prompt."""
+    from kstep.bundled import resolve_model
+    from kstep.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(resolve_model(model))
+    text = ""
+    for chunk in source * 100:
+        if len(tokenizer.encode(text, add_special_tokens=False)) >= num_tokens:
+            break
+        text += chunk + "\n"
+    ids = tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
+    return tokenizer.decode(ids)
+
+
 def run_bench(model: str, concurrency: int, duration: float, max_tokens: int, prompts: list[str],
-              settings: dict, threads: int | None, url: str | None, out: Path, progress=print) -> dict:
+              settings: dict, threads: int | None, url: str | None, out: Path, progress=print,
+              shared_prefix_tokens: int = 0) -> dict:
+    """Batched vs `--max-batch-size 1`; with shared_prefix_tokens, every prompt starts with the same
+    text and the runs are prefix cache on vs off (both batched)."""
     settings = {"max_tokens": max_tokens, **settings}
     runs = {}
-    configs = [("given", None)] if url else [("batched", concurrency), ("unbatched", 1)]
-    for name, batch in configs:
+    if shared_prefix_tokens:
+        prefix = shared_prefix_text(model, shared_prefix_tokens, prompts)
+        prompts = [prefix + p for p in prompts]
+        configs = [("prefix cache", concurrency, []), ("no prefix cache", concurrency, ["--prefix-cache-mib", "0"])]
+    else:
+        configs = [("batched", concurrency, []), ("unbatched", 1, [])]
+    if url:
+        configs = [("given", None, [])]
+    for name, batch, extra in configs:
         progress(f"bench serve: {name} (max batch {batch or '?'}), {concurrency} clients for {duration:.0f} s ...")
         if url:
             samples, seconds = asyncio.run(run_load(url, _served_name(url), prompts, concurrency, duration, settings))
         else:
-            with server(model, batch, threads, []) as base:
+            with server(model, batch, threads, extra) as base:
                 samples, seconds = asyncio.run(run_load(base, "bench", prompts, concurrency, duration, settings))
         runs[name] = {"max_batch_size": batch, **summarize(samples, seconds)}
         progress(format_row(name, runs[name]))
     result = {"model": model, "concurrency": concurrency, "duration_s": duration, "settings": settings,
-              "threads": threads, "runs": runs}
+              "threads": threads, "shared_prefix_tokens": shared_prefix_tokens, "runs": runs}
     if "batched" in runs and runs["unbatched"]["output_tokens_per_s"] > 0:
         result["throughput_ratio"] = runs["batched"]["output_tokens_per_s"] / runs["unbatched"]["output_tokens_per_s"]
+    if "prefix cache" in runs and runs["prefix cache"]["ttft_p50_s"]:
+        result["ttft_ratio_without_over_with_cache"] = runs["no prefix cache"]["ttft_p50_s"] / runs["prefix cache"][
+            "ttft_p50_s"]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_serve.json").write_text(json.dumps(result, indent=2))
+    name = "bench_serve_prefix.json" if shared_prefix_tokens else "bench_serve.json"
+    (out / name).write_text(json.dumps(result, indent=2))
     return result
 
 
@@ -134,5 +162,9 @@ def format_table(result: dict) -> str:
     lines += [format_row(name, r) for name, r in result["runs"].items()]
     if "throughput_ratio" in result:
         lines.append(f"\nbatched / unbatched output tokens/s: {result['throughput_ratio']:.2f}x")
+    if "ttft_ratio_without_over_with_cache" in result:
+        lines.append(f"\ntime to first token p50, without / with the prefix cache "
+                     f"({result['shared_prefix_tokens']}-token shared prefix): "
+                     f"{result['ttft_ratio_without_over_with_cache']:.2f}x")
     return "\n".join(lines)
 

@@ -5,19 +5,29 @@ of the prefix and no per-step allocation; it is the honest baseline diffusion is
 Like the diffusion decoder it is a step machine (`next_pass` / `update`), so the serving engine
 batches AR requests the same way.
 """
+from typing import TYPE_CHECKING
+
 import torch
 
 from kstep.decoding.sampling import sample_tokens
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
 
+if TYPE_CHECKING:
+    from kstep.engine.prefix_cache import PrefixCache
+
 
 class AutoregressiveDecoder:
     """Decodes left-padded prompts (B, P) until every row hits a stop id or max_tokens."""
 
     def __init__(self, runner: ModelRunner, prompts: torch.Tensor, key_mask: torch.Tensor | None,
-                 params: GenerationParams, stop_ids: torch.Tensor, pad_id: int, generator: torch.Generator | None):
+                 params: GenerationParams, stop_ids: torch.Tensor, pad_id: int, generator: torch.Generator | None,
+                 prefix_cache: "PrefixCache | None" = None):
         self.runner, self.params, self.prompts = runner, params, prompts
+        # Prefix caching needs every row to hold the same unpadded prompt (one prompt, n samples).
+        same_rows = key_mask is None and bool((prompts == prompts[:1]).all())
+        self.prefix_cache = prefix_cache if same_rows else None
+        self.num_cached_tokens = 0
         self.stop_ids, self.pad_id, self.generator = stop_ids, pad_id, generator
         B, P = prompts.shape
         N = params.max_tokens
@@ -41,7 +51,12 @@ class AutoregressiveDecoder:
         if self.is_finished:
             return None
         if self.num_generated == 0:
-            return self.runner.causal_pass(self.prompts, self.positions, self.key_mask, 0, self.kv)
+            start = 0
+            if self.prefix_cache is not None:  # at least the last prompt token runs: its logits pick token 1
+                start = self.prefix_cache.load(self.prompts[0].tolist(), self.kv, self.prompts.shape[1] - 1)
+                self.num_cached_tokens = start
+            return self.runner.causal_pass(self.prompts[:, start:], self.positions[:, start:], self.key_mask, start,
+                                           self.kv)
         t = self.num_generated
         position = self.positions[:, -1:] + t  # (B, 1)
         return self.runner.causal_pass(self.out[:, t - 1:t], position, self.key_mask,
@@ -50,6 +65,8 @@ class AutoregressiveDecoder:
     def update(self, logits: torch.Tensor) -> None:
         """Sample the next token from the last position's logits (B, 1, V)."""
         p = self.params
+        if self.num_generated == 0 and self.prefix_cache is not None:
+            self.prefix_cache.store(self.prompts[0].tolist(), self.kv)
         token = sample_tokens(logits[:, -1], p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
         token = torch.where(self.finished, self.pad_id, token)
         self.row_nfe += ~self.finished

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kstep.engine.prefix_cache import PrefixCache
 from kstep.engine.request import ChoiceDelta, Request, RequestOutput
 from kstep.engine.scheduler import Scheduler
 from kstep.engine.text_stream import TextStream, render_canvas
@@ -26,9 +27,10 @@ class StepStats:
 
 
 class Engine:
-    def __init__(self, llm: LLM, max_batch_size: int = 16, max_queue: int = 256):
+    def __init__(self, llm: LLM, max_batch_size: int = 16, max_queue: int = 256, prefix_cache_bytes: int = 0):
         self.llm = llm
         self.scheduler = Scheduler(max_batch_size, max_queue)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and not llm.is_diffusion else None
         self.streams: dict[str, list[TextStream]] = {}
 
     def add_request(self, request: Request) -> None:
@@ -44,7 +46,7 @@ class Engine:
     def _admit(self, request: Request) -> RequestOutput | None:
         """Create the request's decoder (allocates its KV cache); a failure fails only this request."""
         try:
-            request.decoder = self.llm.make_decoder(request.rows, request.params)
+            request.decoder = self.llm.make_decoder(request.rows, request.params, self.prefix_cache)
         except (ValueError, RuntimeError) as e:  # e.g. out of memory for its cache
             self.scheduler.finish(request)
             return RequestOutput(request.request_id, [], 0, is_finished=True, error=str(e))

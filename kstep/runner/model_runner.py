@@ -96,7 +96,7 @@ class ModelRunner:
             # Each query may see itself, so a left-pad query never has an all-masked row (NaN on some kernels).
             itself = causal.triu(cache_start)  # (T, S): the diagonal
             mask = causal if mask is None else (mask & causal) | itself  # (B, 1, T, S)
-        return ForwardPass(ids, positions, mask, T - 1, T, "prefill" if cache_start == 0 else "decode", kv,
+        return ForwardPass(ids, positions, mask, T - 1, T, "prefill" if cache_start == 0 or T > 1 else "decode", kv,
                            cache_start)
 
     def ragged_causal_pass(self, ids: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,

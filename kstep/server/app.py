@@ -38,6 +38,7 @@ class ServeConfig:
     max_queue: int = 256
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256           # chat requests without max_tokens (completions: 16, as OpenAI)
+    prefix_cache_bytes: int = 256 << 20     # AR prefix cache budget (0: off)
     defaults: dict = field(default_factory=dict)  # GenerationParams fields the server sets for its model
 
 
@@ -92,7 +93,7 @@ class BodySizeLimit:
 
 def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
     metrics = Metrics()
-    engine = Engine(llm, config.max_batch_size, config.max_queue)
+    engine = Engine(llm, config.max_batch_size, config.max_queue, config.prefix_cache_bytes)
     async_engine = AsyncEngine(engine, metrics.observe_step)
 
     @asynccontextmanager

@@ -30,6 +30,11 @@ class Metrics:
         self.running = Gauge("kstep_running_requests", "Requests in the running batch", registry=r)
         self.ttft = Histogram("kstep_time_to_first_token_seconds", "Time to the first streamed text",
                               buckets=LATENCY_BUCKETS, registry=r)
+        self.prefix_hit_tokens = Gauge("kstep_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                       registry=r)
+        self.prefix_query_tokens = Gauge("kstep_prefix_cache_query_tokens", "Prompt tokens looked up in the cache",
+                                         registry=r)
+        self.prefix_bytes = Gauge("kstep_prefix_cache_bytes", "Bytes held by the prefix cache", registry=r)
         self.request_seconds = Histogram("kstep_request_seconds", "Request latency, arrival to last byte",
                                          buckets=LATENCY_BUCKETS, registry=r)
 
@@ -40,6 +45,10 @@ class Metrics:
         self.batch_size.observe(stats.batch_size)
         self.queue_depth.set(engine.scheduler.num_waiting)
         self.running.set(engine.scheduler.num_running)
+        if engine.prefix_cache is not None:
+            self.prefix_hit_tokens.set(engine.prefix_cache.hit_tokens)
+            self.prefix_query_tokens.set(engine.prefix_cache.query_tokens)
+            self.prefix_bytes.set(engine.prefix_cache.nbytes)
 
     def observe_request(self, status: str, prompt_tokens: int = 0, completion_tokens: int = 0, nfe: int = 0,
                         seconds: float | None = None) -> None:

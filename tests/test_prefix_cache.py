@@ -1,0 +1,68 @@
+"""Prefix caching: shared prompt prefixes are served from cached keys/values, the output is the
+same as without the cache, and the cache stays within its budget, evicting leaves LRU."""
+import httpx
+
+import kstep
+from kstep.bench.server_process import running_server
+from kstep.engine.engine import Engine
+from kstep.engine.prefix_cache import PrefixCache
+from kstep.engine.request import Request
+from kstep.params import GenerationParams
+
+HEADER = "# A shared header that many requests start with.\nimport os\nimport sys\n\n" * 3
+
+
+def run_all(engine: Engine, prompts: list[list[int]], **params) -> list[list[int]]:
+    requests = [Request([p], GenerationParams(max_tokens=12, **params)) for p in prompts]
+    texts = {r.request_id: [] for r in requests}
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work():
+        outputs, _ = engine.step()
+        for out in outputs:
+            for c in out.choices:
+                texts[out.request_id] += c.token_ids
+    return [texts[r.request_id] for r in requests]
+
+
+def test_shared_prefix_is_reused_and_output_unchanged(llama_path):
+    llm = kstep.load(llama_path)
+    prompts = [llm.encode_prompt(HEADER + tail) for tail in ("def a():", "def b(x):", "class C:", "x = 1")]
+    plain = run_all(Engine(llm), prompts)
+    cached_engine = Engine(llm, prefix_cache_bytes=64 << 20)
+    first = run_all(cached_engine, prompts[:1])
+    rest = run_all(cached_engine, prompts[1:])
+    assert first + rest == plain
+    cache = cached_engine.prefix_cache
+    shared = len(llm.encode_prompt(HEADER)) // cache.block_size * cache.block_size
+    assert cache.hit_tokens >= 3 * (shared - cache.block_size)  # the later requests found the header
+    again = run_all(cached_engine, prompts[:1])
+    assert again == plain[:1]  # a full hit still recomputes the last token for its logits
+
+
+def test_budget_evicts_least_recently_used_leaves(llama_path):
+    llm = kstep.load(llama_path)
+    kv = llm.runner.allocate_kv(1, 64)
+    for layer in kv:
+        layer[0].normal_()
+    cache = PrefixCache(budget_bytes=10**9, block_size=4)
+    cache.store(list(range(12)), kv)  # 3 blocks in a chain
+    block_bytes = cache.nbytes // 3
+    cache.budget = 2 * block_bytes
+    cache.store(list(range(100, 104)), kv)  # a new root block: over budget -> the chain's leaf goes
+    assert cache.nbytes <= cache.budget and len(cache.blocks) == 2
+    target = llm.runner.allocate_kv(1, 64)
+    assert cache.load(list(range(12)), target, 12) == 4  # the chain's first block survived (it was a parent)
+    assert (target[0][0][:, :, :4] == kv[0][0][:, :, :4]).all()
+
+
+def test_server_reports_prefix_hits(llama_path):
+    with running_server(llama_path, "--served-model-name", "tiny") as (url, _):
+        body = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+        a = httpx.post(url + "/v1/completions", json={**body, "prompt": HEADER + "def a():"}).json()
+        b = httpx.post(url + "/v1/completions", json={**body, "prompt": HEADER + "def b():"}).json()
+        assert a["choices"] and b["choices"]
+        metrics = httpx.get(url + "/metrics").text
+        hits = next(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("kstep_prefix_cache_hit_tokens "))
+        assert hits > 0
