@@ -90,6 +90,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu",
     path = Path(path)
     model = build_model(read_model_config(path), device, dtype)
     load_weights(model, path)
+    model.fuse_projections()
     return model
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
+from kstep.layers.labels import labelled
 from kstep.layers.rotary import apply_rotary
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values, each (B, Hkv, S_max, hd)
@@ -41,6 +41,23 @@ class Segment:
         return slice(self.offset, self.offset + self.batch * self.length)
 
 
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One (sum of outputs, in) weight (and bias) whose row blocks become the linears' parameters'
+    storage: no extra memory. None when a layer is not a plain nn.Linear (e.g. quantized)."""
+    if not all(type(m) is nn.Linear for m in linears):
+        return None
+    weight = torch.cat([m.weight.data for m in linears])
+    bias = None if linears[0].bias is None else torch.cat([m.bias.data for m in linears])
+    offset = 0
+    for m in linears:
+        rows = slice(offset, offset + m.out_features)
+        m.weight.data = weight[rows]
+        if bias is not None:
+            m.bias.data = bias[rows]
+        offset += m.out_features
+    return weight, bias
+
+
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  qkv_bias: bool, out_bias: bool):
@@ -50,6 +67,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
+        self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """For inference: keep q/k/v's weights as slices of one tensor, so one matmul computes all
+        three (fewer, larger matmuls: the per-call overhead dominates small models' decode steps).
+        The parameters stay separate (loading, saving and training see no difference)."""
+        self.fused = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def _heads(self, x: torch.Tensor, seg: Segment) -> torch.Tensor:
         """(N, h, hd) packed rows -> this segment's (b, h, T, hd)."""
@@ -77,12 +101,17 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment],
                 layer_idx: int, is_causal: bool) -> torch.Tensor:
         """x (N, D) packed tokens; cos, sin (N, hd) at their positions -> (N, D)."""
-        N = x.shape[0]
+        N, H, Hkv, hd = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         cos, sin = cos[:, None], sin[:, None]  # (N, 1, hd): broadcast over heads
         # Projections and rotary run once over every sequence's tokens; only attention is per sequence.
-        q = apply_rotary(self.q_proj(x).view(N, self.n_heads, self.head_dim), cos, sin)  # (N, H, hd)
-        k = apply_rotary(self.k_proj(x).view(N, self.n_kv_heads, self.head_dim), cos, sin)  # (N, Hkv, hd)
-        v = self.v_proj(x).view(N, self.n_kv_heads, self.head_dim)
-        with record_function("kstep.attention"):  # a label for `kstep bench compare`'s time breakdown
+        if self.fused is not None and not torch.is_grad_enabled():
+            qkv = F.linear(x, *self.fused).view(N, H + 2 * Hkv, hd)
+            qk = apply_rotary(qkv[:, :H + Hkv], cos, sin)  # (N, H + Hkv, hd)
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
+        else:
+            q = apply_rotary(self.q_proj(x).view(N, H, hd), cos, sin)  # (N, H, hd)
+            k = apply_rotary(self.k_proj(x).view(N, Hkv, hd), cos, sin)  # (N, Hkv, hd)
+            v = self.v_proj(x).view(N, Hkv, hd)
+        with labelled("kstep.attention"):
             outs = [self._attend(q, k, v, seg, layer_idx, is_causal) for seg in segments]
         return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))

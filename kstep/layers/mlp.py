@@ -3,6 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kstep.layers.attention import fuse_linears
+
 
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int, bias: bool):
@@ -10,6 +12,14 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(d_model, hidden, bias=bias)
         self.up_proj = nn.Linear(d_model, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, d_model, bias=bias)
+        self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """For inference: gate and up as one matmul (see Attention.fuse)."""
+        self.fused = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and not torch.is_grad_enabled():
+            gate, up = F.linear(x, *self.fused).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

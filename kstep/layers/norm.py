@@ -1,5 +1,6 @@
 """RMSNorm as LLaMA and LLaDA compute it: statistics in float32, scale in the input dtype."""
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -10,8 +11,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        in_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Both references cast back before the weight multiply; doing the same keeps bf16 parity.
-        return self.weight * x32.to(in_dtype)
+        # One fused op for x * rsqrt(mean(x^2) + eps) in float32; both references cast back before the
+        # weight multiply, and doing the same keeps bf16 parity.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)

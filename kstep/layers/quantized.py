@@ -70,6 +70,9 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> dict[st
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantize {mode!r} is not supported (choose from {', '.join(QUANTIZATIONS)})")
     counts = {"int8": 0, "int4": 0}
+    for module in model.modules():  # fused float weights would keep the originals alive
+        if hasattr(module, "fused"):
+            module.fused = None
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):

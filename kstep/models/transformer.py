@@ -7,9 +7,9 @@ serves both causal AR models and bidirectional diffusion models.
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from kstep.layers.attention import Attention, KVCache, Segment
+from kstep.layers.labels import labelled
 from kstep.layers.mlp import SwiGLU
 from kstep.layers.norm import RMSNorm
 from kstep.layers.rotary import RotaryEmbedding
@@ -44,6 +44,12 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(self.cfg.head_dim, self.cfg.max_positions, self.cfg.rope_theta,
                                       self.cfg.rope_scaling).to(device)
 
+    def fuse_projections(self) -> None:
+        """Inference only: fused q/k/v and gate/up matmuls (the parameters stay as they are)."""
+        for layer in self.layers:
+            layer.attn.fuse()
+            layer.mlp.fuse()
+
     def packed_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                              segments: list[Segment]) -> torch.Tensor:
         """Final-norm hidden states (N, D) for the packed tokens input_ids (N,) at positions (N,);
@@ -65,7 +71,7 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped."""
-        with record_function("kstep.lm_head"):
+        with labelled("kstep.lm_head"):
             if self.lm_head is None or isinstance(self.lm_head, nn.Linear):
                 weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
                 out = F.linear(hidden, weight[: self.cfg.vocab_size])
