@@ -6,7 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-runs}
 KSTEP=.venv/bin/kstep
-COMMON=(--seq-len 512 --batch-size 8 --token-budget 4200000 --eval-every 128 --eval-windows 16 --save-every 128 --threads 1)
+# d_model 192 / 4 layers won a held-out-loss sweep at equal wall time against d_model 256 / 6 layers (README).
+COMMON=(--d-model 192 --n-layers 4 --n-heads 4 --n-kv-heads 4 --ffn-dim 512 --seq-len 512 --batch-size 8 --lr 2e-3
+        --warmup-steps 100 --token-budget 7200000 --eval-every 256 --eval-windows 16 --save-every 256 --threads 1)
 mkdir -p "$RUNS"
 $KSTEP train --objective diffusion --out "$RUNS/default" "${COMMON[@]}" > "$RUNS/default.log" 2>&1 &
 while [ ! -f "$RUNS/default/tokenizer.json" ]; do sleep 2; done   # the twin shares the diffusion run's tokenizer

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Every figure in the README, one benchmark at a time (never two torch processes side by side).
+# About 30 minutes on 2 CPU cores. Not part of CI. JSON, PNG and the printed tables (*.md) go to
+# docs/ (committed) unless OUT is set.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-docs}
+KSTEP=.venv/bin/kstep
+mkdir -p "$OUT/bench/ar" "$OUT/compare" "$OUT/eval"
+$KSTEP bench decode --max-cell-seconds 30 --out "$OUT/bench" | tee "$OUT/bench/bench_decode.md"
+$KSTEP bench serve --model default --concurrency 16 --duration 60 --max-tokens 64 --threads 2 \
+  --out "$OUT/bench" | tee "$OUT/bench/bench_serve.md"
+$KSTEP bench serve --model default-ar --concurrency 16 --duration 60 --max-tokens 64 --threads 2 \
+  --out "$OUT/bench/ar" | tee "$OUT/bench/ar/bench_serve.md"
+$KSTEP bench serve --model default-ar --shared-prefix-tokens 512 --concurrency 8 --duration 30 --max-tokens 16 \
+  --threads 2 --out "$OUT/bench" | tee "$OUT/bench/bench_serve_prefix.md"
+$KSTEP bench compare --out "$OUT/compare" | tee "$OUT/compare/compare.md"
+$KSTEP eval --out "$OUT/eval" | tee "$OUT/eval/eval.md"
+$KSTEP bench quant --out "$OUT/bench" | tee "$OUT/bench/bench_quant.md"
+$KSTEP bench ar --out "$OUT/bench" | tee "$OUT/bench/bench_ar.md"
