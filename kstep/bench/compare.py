@@ -212,12 +212,13 @@ def crossovers(rows: list[dict], predictions: dict) -> dict:
         mine = {r["n"]: r["seconds"] for r in rows if r["side"] == name}
         ns = sorted(set(mine) & set(ar))
         entry = {"measured_n": interpolate_crossover(ns, [mine[n] / ar[n] for n in ns]) if ar else None,
-                 "measured_lengths": ns}
+                 "measured_lengths": ns, "measured_faster_at": [n for n in ns if mine[n] < ar[n]]}
         for key, p in predictions.items():
             floors = p["floor_seconds"]
             if "ar" in floors:
-                entry[f"predicted_n_{key}"] = interpolate_crossover(
-                    p["n"], [d / a for d, a in zip(floors[name], floors["ar"])])
+                ratios = [d / a for d, a in zip(floors[name], floors["ar"])]
+                entry[f"predicted_n_{key}"] = interpolate_crossover(p["n"], ratios)
+                entry[f"predicted_faster_at_{key}"] = [n for n, r in zip(p["n"], ratios) if r < 1]
         result[name] = entry
     return result
 
@@ -253,6 +254,12 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _span(lengths: list[int]) -> str:
+    if not lengths:
+        return "never (N <= 4096)"
+    return f"N {lengths[0]}-{lengths[-1]}" if len(lengths) > 1 else f"N = {lengths[0]}"
+
+
 def format_row(r: dict) -> str:
     return (f"| {r['side']} | {r['n']} | {r['seconds']:.3f} | {r['ttft_seconds']:.3f} | {r['nfe']:.1f} | "
             f"{r['tokens_per_pass']:.2f} | {r['tokens_per_s']:.1f} | {r['floor_seconds']:.4f} | "
@@ -267,10 +274,10 @@ def format_table(result: dict) -> str:
     for name, entry in sorted(result["crossover"].items()):
         measured = entry["measured_n"]
         text = f"N = {measured:.0f}" if measured is not None else f"none in {entry['measured_lengths']}"
-        predicted = ", ".join(f"{result['predictions'][k[12:]]['device']}: "
-                              f"{'N = %.0f' % v if v is not None else 'none up to 4096'}"
-                              for k, v in entry.items() if k.startswith("predicted_n_"))
-        lines.append(f"crossover {name} vs ar: measured {text}; predicted (floors) {predicted}")
+        predicted = ", ".join(f"{result['predictions'][k[20:]]['device']}: {_span(v)}"
+                              for k, v in entry.items() if k.startswith("predicted_faster_at_"))
+        lines.append(f"{name} faster than ar: measured at N in {entry['measured_faster_at'] or 'none'} "
+                     f"(first crossing {text}); floors predict {predicted}")
     lines.append("")
     for name, p in result["profiles"].items():
         shares = ", ".join(f"{k} {v:.0%}" for k, v in p.items() if k not in ("n", "wall_seconds"))

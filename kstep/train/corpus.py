@@ -54,8 +54,8 @@ def read_text(path: Path) -> str | None:
 class FunctionExample:
     file: str
     name: str
-    prompt: str      # signature + docstring
-    body: str        # the rest of the function
+    prompt: str      # signature + docstring, without the last newline (see function_examples)
+    body: str        # from that newline to the end of the function
 
 
 def function_examples(files: list[CorpusFile], min_body_lines: int = 3) -> list[FunctionExample]:
@@ -79,7 +79,11 @@ def function_examples(files: list[CorpusFile], min_body_lines: int = 3) -> list[
             start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
             indent = len(lines[start - 1]) - len(lines[start - 1].lstrip())
             dedent = lambda s: "".join(ln[indent:] if ln[:indent].strip() == "" else ln for ln in s)  # noqa: E731
-            prompt = dedent(lines[start - 1: doc.end_lineno])
-            body = dedent(lines[doc.end_lineno: node.end_lineno])
+            # The prompt stops before the docstring line's newline and the body starts with it:
+            # byte-level BPE merges a newline with the next line's indentation into one token, so a
+            # prompt ending in a bare newline is a token boundary the model never saw in training
+            # (it then writes blank lines or a new `def` instead of the body).
+            prompt = dedent(lines[start - 1: doc.end_lineno])[:-1]
+            body = "\n" + dedent(lines[doc.end_lineno: node.end_lineno])
             out.append(FunctionExample(f.rel, node.name, prompt, body))
     return out
