@@ -34,13 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=None, help="0 (default) is greedy")
     gen.add_argument("--cfg-scale", type=float, default=None)
     gen.add_argument("--cache", default=None, choices=list(CACHE_MODES),
-                     help="diffusion KV cache: none (exact), prefix, dual (Fast-dLLM)")
+                     help="diffusion KV cache: none, prefix, dual (Fast-dLLM; the default)")
     gen.add_argument("--threshold", type=float, default=None,
-                     help="unmask every mask with confidence >= T per pass (at least one)")
+                     help="unmask every mask with confidence >= T per pass, at least one "
+                          "(default 0.9 unless --steps or --factor is given)")
+    gen.add_argument("--exact", action="store_const", const=True, default=None,
+                     help="LLaDA's reference sampler: no cache, one token per pass (or --steps passes)")
     gen.add_argument("--factor", type=float, default=None, help="Fast-dLLM's factor unmask rule")
     gen.add_argument("--no-early-stop", dest="early_stop", action="store_const", const=False, default=None,
                      help="keep refining after an end-of-sequence token is final")
-    gen.add_argument("--draft", default=None, help="AR draft model for speculative decoding (e.g. default-draft)")
+    gen.add_argument("--min-tokens", type=int, default=None,
+                     help="no end-of-sequence or stop token among the first N tokens (vLLM's min_tokens)")
+    gen.add_argument("--draft", default=None,
+                     help="speculative decoding for an AR model: a draft model (e.g. default-draft) or 'ngram' "
+                          "(lookup in the prompt and output, no model)")
     gen.add_argument("--num-draft-tokens", type=int, default=None,
                      help="draft tokens per target pass (default 4 with --draft)")
     gen.add_argument("--top-k", type=int, default=None)
@@ -72,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--quantize", default=None, choices=["int8", "int4"],
                        help="weight-only quantization of the linear layers at load time")
-    serve.add_argument("--draft", default=None, help="AR draft model: speculative decoding for an AR --model")
+    serve.add_argument("--draft", default=None,
+                       help="speculative decoding for an AR --model: a draft model or 'ngram' (no model)")
     serve.add_argument("--num-draft-tokens", type=int, default=None,
                        help="default draft tokens per target pass (default 4 with --draft)")
     defaults = serve.add_argument_group("decoding defaults for this model (a request's fields override them)")
@@ -80,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults.add_argument("--remasking", default=None, choices=list(UNMASK_RULES))
     defaults.add_argument("--cache", default=None, choices=list(CACHE_MODES))
     defaults.add_argument("--threshold", type=float, default=None)
+    defaults.add_argument("--exact", action="store_const", const=True, default=None,
+                          help="LLaDA's reference sampler instead of dual cache + threshold 0.9")
     defaults.add_argument("--factor", type=float, default=None)
     defaults.add_argument("--cfg-scale", type=float, default=None)
     ev = sub.add_parser("eval", help="quality at each decoding setting (K sweep, thresholds, AR) on a prompt set")
@@ -166,11 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     bquant.add_argument("--out", default="out/bench")
     bar = bench_sub.add_parser("ar", help="the AR path: plain, speculative, int8 vs transformers' generate()")
     bar.add_argument("--model", default="default-ar")
-    bar.add_argument("--draft", default="default-draft")
+    bar.add_argument("--draft", default="default-draft,ngram",
+                     help="comma-separated drafts, one speculative column each: draft models and/or 'ngram'")
     bar.add_argument("--num-draft-tokens", type=int, default=4)
     bar.add_argument("--lengths", default="64,256,1024")
     bar.add_argument("--batches", default="1,8")
-    bar.add_argument("--repeats", type=int, default=1)
+    bar.add_argument("--repeats", type=int, default=3, help="timed runs per cell, interleaved across sides (median)")
     bar.add_argument("--threads", type=int, default=None)
     bar.add_argument("--out", default="out/bench")
     bserve = bench_sub.add_parser("serve", help="concurrent clients against kstep serve, batched vs max batch 1")
@@ -232,7 +243,7 @@ def run_serve(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    names = ("block_length", "remasking", "cache", "threshold", "factor", "cfg_scale")
+    names = ("block_length", "remasking", "cache", "threshold", "factor", "cfg_scale", "exact")
     defaults = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     GenerationParams(**defaults)  # a bad default fails now, naming the flag's value
     llm = load(args.model, device=args.device, dtype=args.dtype, draft=args.draft, quantize=args.quantize)
@@ -346,9 +357,12 @@ def run_bench_quant_or_ar(args) -> int:
                          progress)
     else:
         from kstep.bench.ar import format_table, run_ar_bench
-        rows = run_ar_bench(args.model, args.draft, _positive_ints("--lengths", args.lengths),
+        drafts = [d.strip() for d in args.draft.split(",") if d.strip()]
+        rows = run_ar_bench(args.model, drafts, _positive_ints("--lengths", args.lengths),
                             _positive_ints("--batches", args.batches), args.num_draft_tokens, args.repeats,
                             Path(args.out), progress)
+        print(format_table(rows, drafts))
+        return 0
     print(format_table(rows))
     return 0
 

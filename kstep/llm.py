@@ -11,6 +11,7 @@ import torch
 
 from kstep.bundled import resolve_model
 from kstep.decoding.autoregressive import AutoregressiveDecoder
+from kstep.decoding.drafters import NGRAM
 from kstep.decoding.loop import Decoder, decode_alone
 from kstep.decoding.masked_diffusion import DiffusionDecoder
 from kstep.decoding.speculative import SpeculativeDecoder
@@ -52,9 +53,13 @@ class LLM:
         self.stop_ids = list(dict.fromkeys([*self.cfg.eos_token_ids, *eot]))
         self.pad_id = next(i for i in (self.cfg.pad_token_id, *self.stop_ids, 0) if i is not None
                            and i != self.cfg.mask_token_id)
-        self.draft = None if draft is None else draft if isinstance(draft, LLM) else LLM(draft, device, dtype,
-                                                                                         quantize=quantize)
-        if self.draft is not None:
+        # draft: None, "ngram" (lookup in the text itself, no model), or an AR model over the same vocabulary.
+        self.draft: LLM | str | None = draft if draft in (None, NGRAM) or isinstance(draft, LLM) else \
+            LLM(draft, device, dtype, quantize=quantize)
+        if self.draft == NGRAM and not self.cfg.is_causal:
+            raise ValueError(f"speculative decoding (draft {NGRAM!r}) needs an autoregressive model, "
+                             f"not {self.path.name} ({self.cfg.family})")
+        if isinstance(self.draft, LLM):
             self._check_draft(self.draft)
 
     def _check_draft(self, draft: "LLM") -> None:
@@ -134,8 +139,8 @@ class LLM:
             if longest + params.max_tokens + params.num_draft_tokens + 1 > self.cfg.max_positions:
                 raise ValueError(f"prompt ({longest}) + max_tokens ({params.max_tokens}) + num_draft_tokens + 1 "
                                  f"exceeds the model's context of {self.cfg.max_positions}")
-            return SpeculativeDecoder(self.runner, self.draft.runner, ids, key_mask, params, stop, self.pad_id,
-                                      generator)
+            draft_runner = None if self.draft == NGRAM else self.draft.runner
+            return SpeculativeDecoder(self.runner, draft_runner, ids, key_mask, params, stop, self.pad_id, generator)
         if self.is_diffusion:
             return DiffusionDecoder(self.runner, ids, key_mask, params, self.cfg.mask_token_id, stop, generator)
         return AutoregressiveDecoder(self.runner, ids, key_mask, params, stop, self.pad_id, generator, prefix_cache)
@@ -172,6 +177,6 @@ def load(path: str | Path = "default", device: str | torch.device = "cpu",
          dtype: str | torch.dtype = "float32", draft: str | Path | None = None, quantize: str | None = None) -> LLM:
     """Load a checkpoint directory (config.json + safetensors [+ tokenizer.json]) or a bundled model
     by name (`default`, `default-ar`, `default-draft`) for generation; `draft` adds a draft model
-    for speculative decoding (`num_draft_tokens`); `quantize` ("int8" or "int4") quantizes the
-    linear layers' weights at load time."""
+    (or "ngram": n-gram lookup, no model) for speculative decoding (`num_draft_tokens`); `quantize`
+    ("int8" or "int4") quantizes the linear layers' weights at load time."""
     return LLM(path, device, dtype, draft, quantize)

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Every figure in the README, one benchmark at a time (never two torch processes side by side).
-# About 30 minutes on 2 CPU cores. Not part of CI. JSON, PNG and the printed tables (*.md) go to
+# About 40 minutes on 2 CPU cores. Not part of CI. JSON, PNG and the printed tables (*.md) go to
 # docs/ (committed) unless OUT is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs}
 KSTEP=.venv/bin/kstep
-mkdir -p "$OUT/bench/ar" "$OUT/compare" "$OUT/eval"
+mkdir -p "$OUT/bench/ar" "$OUT/bench/exact" "$OUT/compare" "$OUT/eval"
 $KSTEP bench decode --max-cell-seconds 30 --out "$OUT/bench" | tee "$OUT/bench/bench_decode.md"
+# the diffusion model with its default decoding (dual cache + threshold 0.9), then with the exact sampler
 $KSTEP bench serve --model default --concurrency 16 --duration 60 --max-tokens 64 --threads 2 \
   --out "$OUT/bench" | tee "$OUT/bench/bench_serve.md"
+$KSTEP bench serve --model default --concurrency 16 --duration 60 --max-tokens 64 --threads 2 --setting exact=true \
+  --out "$OUT/bench/exact" | tee "$OUT/bench/exact/bench_serve.md"
 $KSTEP bench serve --model default-ar --concurrency 16 --duration 60 --max-tokens 64 --threads 2 \
   --out "$OUT/bench/ar" | tee "$OUT/bench/ar/bench_serve.md"
 $KSTEP bench serve --model default-ar --shared-prefix-tokens 512 --concurrency 8 --duration 30 --max-tokens 16 \

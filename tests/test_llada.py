@@ -33,8 +33,8 @@ def test_exact_sampler_matches_reference(llada_path, gen_length, block_length, s
     prompt = prompt_ids(7, 3, llm.cfg.vocab_size)
     expected = reference_generate(ref, torch.tensor([prompt]), steps=steps, gen_length=gen_length,
                                   block_length=block_length, cfg_scale=cfg_scale, mask_id=llm.cfg.mask_token_id)
-    got = llm.generate(prompt, max_tokens=gen_length, block_length=block_length, steps=steps, cfg_scale=cfg_scale,
-                       early_stop=False)[0]
+    got = llm.generate(prompt, max_tokens=gen_length, block_length=block_length, steps=steps, exact=True,
+                       cfg_scale=cfg_scale, early_stop=False)[0]
     canvas = expected[0, len(prompt):].tolist()
     assert llm.cfg.mask_token_id not in canvas
     cut = next((i for i, t in enumerate(canvas) if t in llm.stop_ids), len(canvas))
@@ -54,7 +54,7 @@ def test_padded_batch_matches_reference_batch(llada_path):
         mask[row, 9 - len(p):] = 1
     expected = reference_generate(ref, ids, mask, steps=16, gen_length=16, block_length=8,
                                   mask_id=llm.cfg.mask_token_id)
-    got = llm.generate(prompts, max_tokens=16, block_length=8, steps=16)
+    got = llm.generate(prompts, max_tokens=16, block_length=8, steps=16, exact=True)
     for row, result in enumerate(got):
         canvas = expected[row, 9:].tolist()
         cut = next((i for i, t in enumerate(canvas) if t in llm.stop_ids), len(canvas))
@@ -118,3 +118,23 @@ def test_cache_modes_match_fast_dllm(llada_path, cache, policy):
     assert got.nfe == expected_nfe
     if cache != "none":
         assert got.timings["num_full_passes"] == 4 and got.timings["num_window_passes"] == got.nfe - 4
+
+
+def test_defaults_are_dual_cache_and_threshold_with_exact_one_flag_away(llada_path):
+    from kstep.params import GenerationParams
+    fast = GenerationParams(max_tokens=32).resolved_for_diffusion()
+    assert (fast.cache, fast.threshold) == ("dual", 0.9)
+    assert GenerationParams(max_tokens=32, steps=16).resolved_for_diffusion().threshold is None  # steps: fixed
+    assert GenerationParams(max_tokens=32, factor=1.0).resolved_for_diffusion().threshold is None
+    exact = GenerationParams(max_tokens=32, exact=True).resolved_for_diffusion()
+    assert (exact.cache, exact.threshold, exact.steps) == ("none", None, 32)
+    with pytest.raises(ValueError, match="exact"):
+        GenerationParams(max_tokens=32, exact=True, threshold=0.5)
+
+    llm = kstep.load(llada_path)
+    prompt = prompt_ids(6, 3, llm.cfg.vocab_size)
+    default = llm.generate(prompt, max_tokens=32, block_length=8)[0]
+    assert default.token_ids == llm.generate(prompt, max_tokens=32, block_length=8, cache="dual",
+                                             threshold=0.9)[0].token_ids
+    assert llm.generate(prompt, max_tokens=32, block_length=8, exact=True)[0].token_ids == \
+        llm.generate(prompt, max_tokens=32, block_length=8, cache="none", steps=32)[0].token_ids

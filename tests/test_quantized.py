@@ -47,7 +47,9 @@ def test_quantized_models_shrink_and_decode(llama_path, llada_path, mode):
 
 
 def test_bench_ar_runs(llama_path, tmp_path):
-    rows = run_ar_bench(str(llama_path), str(llama_path), [4], [1, 2], 2, 1, tmp_path, progress=lambda _: None)
+    drafts = [str(llama_path), "ngram"]
+    rows = run_ar_bench(str(llama_path), drafts, [4], [1, 2], 2, 1, tmp_path, progress=lambda _: None)
     assert [(r["batch"], r["n"]) for r in rows] == [(1, 4), (2, 4)]
     assert all(r["transformers_tokens_per_s"] > 0 and r["plain_tokens_per_s"] > 0 for r in rows)
-    assert rows[0]["acceptance_rate"] == 1.0  # the target as its own draft
+    assert rows[0][f"speculative {llama_path}_acceptance_rate"] == 1.0  # the target as its own draft
+    assert 0 <= rows[0]["speculative ngram_acceptance_rate"] <= 1

@@ -159,6 +159,9 @@ BAD_REQUESTS = [
      400, "max_tokens"),
     ("bad kstep knob", {"model": "tiny", "prompt": "x", "cache": "huge"}, 400, "cache"),
     ("bad threshold", {"model": "tiny", "prompt": "x", "threshold": 2}, 400, "threshold"),
+    ("exact with a cache", {"model": "tiny", "prompt": "x", "exact": True, "cache": "dual"}, 400, "exact"),
+    ("min_tokens above max_tokens", {"model": "tiny", "prompt": "x", "max_tokens": 8, "min_tokens": 9}, 400,
+     "min_tokens"),
     ("steps do not divide", {"model": "tiny", "prompt": "x", "max_tokens": 64, "steps": 3}, 400, "steps"),
     ("token id outside the vocabulary", {"model": "tiny", "prompt": [1, 99999]}, 400, "prompt"),
     ("oversize body", {"model": "tiny", "prompt": "x" * (2 << 20)}, 413, None),
@@ -246,3 +249,14 @@ def test_sigterm_finishes_in_flight_requests(llada_path):
         assert result["response"].json()["usage"]["completion_tokens"] > 0
         # uvicorn re-raises the signal once it has shut down gracefully: exit by SIGTERM, after the work.
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+
+
+def test_request_knobs_override_the_server_defaults():
+    from kstep.server.protocol import CompletionRequest
+    exact_server = {"exact": True}
+    plain = CompletionRequest(model="m", prompt="x").generation_params(exact_server, 16)
+    assert plain.exact and plain.resolved_for_diffusion().cache == "none"
+    chosen = CompletionRequest(model="m", prompt="x", threshold=0.5).generation_params(exact_server, 16)
+    assert not chosen.exact and chosen.resolved_for_diffusion().cache == "dual"  # the request's policy wins
+    fast = CompletionRequest(model="m", prompt="x").generation_params({}, 16).resolved_for_diffusion()
+    assert (fast.cache, fast.threshold) == ("dual", 0.9)

@@ -39,6 +39,28 @@ def test_greedy_equals_target_greedy_batched(llama_path, draft_path, gamma):
     assert 0 <= spec[0].timings["acceptance_rate"] <= 1
 
 
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_ngram_draft_greedy_equals_target_greedy_batched(llama_path, gamma):
+    llm = kstep.load(llama_path, draft="ngram")
+    plain = llm.generate(PROMPTS, max_tokens=32, ignore_eos=True)
+    spec = llm.generate(PROMPTS, max_tokens=32, ignore_eos=True, num_draft_tokens=gamma)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert spec[0].timings["draft_passes"] == 0  # lookup, no model
+
+
+def test_ngram_drafter_proposes_what_followed_the_latest_match():
+    from kstep.decoding.drafters import NgramDrafter
+    params = kstep.GenerationParams(temperature=0.0)
+    drafter = NgramDrafter([[1, 2, 3, 4, 9, 2, 3, 5, 6]], vocab_size=10, params=params)
+    # tail (…, 2, 3): its latest earlier occurrence is followed by 5, 6, then 2 (after the committed 2, 3)
+    drafts, probs = drafter.propose([[7, 2, 3]], 3)
+    assert drafts.tolist() == [[5, 6, 7]] and probs is None
+    drafter = NgramDrafter([[1, 2]], vocab_size=10, params=kstep.GenerationParams(temperature=1.0))
+    drafts, probs = drafter.propose([[8]], 2)  # no match: the last token, repeated
+    assert drafts.tolist() == [[8, 8]]
+    assert probs.shape == (1, 2, 10) and probs[0, 0, 8] == 1.0  # a point mass: rejection stays exact
+
+
 def test_perfect_draft_accepts_everything(self_draft):
     out = self_draft.generate(PROMPTS[:2], max_tokens=24, num_draft_tokens=3)
     assert out[0].timings["acceptance_rate"] == 1.0
@@ -64,8 +86,22 @@ def test_rejection_rule_samples_the_target_distribution():
     assert 0 < (num_kept == 0).double().mean() < 1  # it really rejects sometimes
 
 
-def test_sampling_is_seeded_and_batched(llama_path, draft_path):
-    llm = kstep.load(llama_path, draft=draft_path)
+def test_rejection_rule_with_a_point_mass_draft_samples_the_target_distribution():
+    """n-gram drafts are deterministic: q puts all its mass on the proposal."""
+    V, B = 4, 200_000
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]], dtype=torch.float64)
+    drafts = torch.full((B, 1), 3)
+    q = torch.nn.functional.one_hot(drafts, V).double()
+    num_kept, following = accept_drafts(p.expand(B, -1, -1), q, drafts, torch.Generator().manual_seed(2))
+    first = torch.where(num_kept > 0, drafts[:, 0], following)
+    empirical = torch.bincount(first, minlength=V).double() / B
+    assert (empirical - p[0]).abs().sum() / 2 < 0.01, empirical
+    assert abs((num_kept == 1).double().mean() - 0.4) < 0.01  # kept with probability p(draft)
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_sampling_is_seeded_and_batched(llama_path, draft_path, draft):
+    llm = kstep.load(llama_path, draft=draft_path if draft == "model" else "ngram")
     a = llm.generate(PROMPTS, max_tokens=16, temperature=0.9, seed=5, num_draft_tokens=3)
     b = llm.generate(PROMPTS, max_tokens=16, temperature=0.9, seed=5, num_draft_tokens=3)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
@@ -77,6 +113,8 @@ def test_bad_draft_settings(llama_path, llada_path):
         kstep.load(llama_path).generate("x", num_draft_tokens=2)
     with pytest.raises(ValueError, match="autoregressive"):
         kstep.load(llama_path, draft=llada_path)
+    with pytest.raises(ValueError, match="autoregressive"):
+        kstep.load(llada_path, draft="ngram")
     with pytest.raises(ValueError, match="num_draft_tokens"):
         kstep.GenerationParams(num_draft_tokens=-1)
 

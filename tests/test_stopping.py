@@ -1,6 +1,7 @@
 """Completions are cut at the first end-of-sequence token; finish_reason says why they ended."""
 import json
 
+import pytest
 from conftest import copy_checkpoint
 
 import kstep
@@ -67,3 +68,20 @@ def test_diffusion_early_stop_saves_passes_without_changing_output(tmp_path, lla
         early = copy.generate("def f(x):", **settings, cache=cache)[0]
         assert early.token_ids == full.token_ids and early.finish_reason == full.finish_reason == "stop"
         assert early.nfe < full.nfe == 64
+
+
+@pytest.mark.parametrize("draft", [None, "ngram"])
+def test_min_tokens_suppresses_stop_tokens(tmp_path, llama_path, llada_path, draft):
+    """The first generated token declared end-of-sequence: without min_tokens the output is empty,
+    with it there are min_tokens tokens and none of them is that id (AR, speculative, diffusion)."""
+    for path in (llama_path, llada_path) if draft is None else (llama_path,):
+        first = kstep.load(path).generate("def f(x):", max_tokens=16)[0]
+        llm = kstep.load(copy_checkpoint(path, tmp_path / path.name, eos_token_id=first.token_ids[0]), draft=draft)
+        extra = {"num_draft_tokens": 3} if draft else {}
+        assert llm.generate("def f(x):", max_tokens=16, **extra)[0].token_ids[:1] != first.token_ids[:1]
+        forced = llm.generate("def f(x):", max_tokens=16, min_tokens=16, **extra)[0]
+        assert len(forced.token_ids) == 16 and first.token_ids[0] not in forced.token_ids
+        part = llm.generate("def f(x):", max_tokens=16, min_tokens=4, **extra)[0]
+        assert len(part.token_ids) >= 4
+    with pytest.raises(ValueError, match="min_tokens"):
+        kstep.GenerationParams(max_tokens=8, min_tokens=9)

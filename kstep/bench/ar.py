@@ -1,7 +1,9 @@
 """`kstep bench ar`: the AR baseline's tokens/s at batch 1 and 8 for several N: kstep plain,
-+ speculative decoding (with the draft), + int8 weights, against Hugging Face transformers'
-`generate()` on the same weights, all in one process, one after another. Every generation makes
-exactly N tokens (no stop), greedy."""
++ speculative decoding (each draft: a draft model, n-gram lookup), + int8 weights, against Hugging Face transformers'
+`generate()` on the same weights, all in one process, their repeats interleaved. Every generation makes
+exactly N tokens, greedy: end-of-sequence is suppressed until N (kstep's min_tokens = transformers'
+min_new_tokens), so both sides produce the same tokens, and a fine-tuned model does not fill the
+rest with end-of-sequence tokens (which would flatter speculative decoding)."""
 import json
 import statistics
 import time
@@ -14,14 +16,18 @@ from kstep.bundled import resolve_model
 from kstep.llm import load
 
 
-def _timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    runs = []
+def _timed_interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each function, the repeats interleaved (a, b, c, a, b, c, ...) so that a
+    slow spell of the machine hits every side alike rather than whichever ran then."""
+    for fn in fns.values():
+        fn()  # warm-up
+    runs: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            runs[name].append(time.perf_counter() - start)
+    return {name: statistics.median(r) for name, r in runs.items()}
 
 
 def transformers_runner(model: str, prompts: list[list[int]], pad_id: int):
@@ -39,9 +45,13 @@ def transformers_runner(model: str, prompts: list[list[int]], pad_id: int):
     return run
 
 
-def run_ar_bench(model: str, draft: str, lengths: list[int], batches: list[int], num_draft_tokens: int,
+def run_ar_bench(model: str, drafts: list[str], lengths: list[int], batches: list[int], num_draft_tokens: int,
                  repeats: int, out: Path, progress=print) -> list[dict]:
-    plain, spec, int8 = load(model), load(model, draft=draft), load(model, quantize="int8")
+    """Each draft (a draft model's name/path, or "ngram") is one speculative column."""
+    plain = load(model)
+    variants = [("plain", plain, {})]
+    variants += [(f"speculative {d}", load(model, draft=d), {"num_draft_tokens": num_draft_tokens}) for d in drafts]
+    variants.append(("int8", load(model, quantize="int8"), {}))
     texts = held_out_code_prompts(max(batches))
     encoded = [plain.encode_prompt(t) for t in texts]
     rows = []
@@ -49,39 +59,44 @@ def run_ar_bench(model: str, draft: str, lengths: list[int], batches: list[int],
         prompts = encoded[:batch]
         hf = transformers_runner(model, prompts, plain.pad_id)
         for n in lengths:
-            base = _timed(lambda: hf(n), repeats)
-            row = {"batch": batch, "n": n, "transformers_tokens_per_s": batch * n / base}
-            for name, llm, extra in (("plain", plain, {}), ("speculative", spec, {"num_draft_tokens": num_draft_tokens}),
-                                     ("int8", int8, {})):
-                result = {}
+            results: dict[str, list] = {}
 
-                def go(llm=llm, extra=extra, result=result):
-                    result["out"] = llm.generate(prompts, max_tokens=n, ignore_eos=True, **extra)
-                seconds = _timed(go, repeats)
-                row[f"{name}_tokens_per_s"] = batch * n / seconds
+            def run(llm, extra, name):
+                results[name] = llm.generate(prompts, max_tokens=n, min_tokens=n, **extra)
+            fns = {"transformers": lambda: hf(n)}
+            fns.update({name: (lambda llm=llm, extra=extra, name=name: run(llm, extra, name))
+                        for name, llm, extra in variants})
+            seconds = _timed_interleaved(fns, repeats)
+            row = {"batch": batch, "n": n, "transformers_tokens_per_s": batch * n / seconds["transformers"]}
+            for name, _, _ in variants:
+                row[f"{name}_tokens_per_s"] = batch * n / seconds[name]
                 row[f"{name}_vs_transformers"] = row[f"{name}_tokens_per_s"] / row["transformers_tokens_per_s"]
-                if name == "speculative":
-                    timings = result["out"][0].timings
-                    row["acceptance_rate"] = timings["acceptance_rate"]
-                    row["tokens_per_target_pass"] = timings["tokens_per_target_pass"]
-            row["speculative_vs_plain"] = row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
+                if name.startswith("speculative"):
+                    timings = results[name][0].timings
+                    row[f"{name}_acceptance_rate"] = timings["acceptance_rate"]
+                    row[f"{name}_tokens_per_target_pass"] = timings["tokens_per_target_pass"]
+                    row[f"{name}_vs_plain"] = row[f"{name}_tokens_per_s"] / row["plain_tokens_per_s"]
             rows.append(row)
-            progress(format_row(row))
+            progress(format_row(row, drafts))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_ar.json").write_text(json.dumps({"model": model, "draft": draft, "num_draft_tokens":
+    (out / "bench_ar.json").write_text(json.dumps({"model": model, "drafts": drafts, "num_draft_tokens":
                                                    num_draft_tokens, "repeats": repeats, "rows": rows}, indent=2))
     return rows
 
 
-def format_row(r: dict) -> str:
-    return (f"| {r['batch']} | {r['n']} | {r['transformers_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} "
-            f"({r['plain_vs_transformers']:.2f}x) | {r['speculative_tokens_per_s']:.1f} "
-            f"({r['speculative_vs_plain']:.2f}x plain; accept {r['acceptance_rate']:.0%}, "
-            f"{r['tokens_per_target_pass']:.2f} tok/pass) | {r['int8_tokens_per_s']:.1f} "
-            f"({r['int8_vs_transformers']:.2f}x) |")
+def format_row(r: dict, drafts: list[str]) -> str:
+    cells = [str(r["batch"]), str(r["n"]), f"{r['transformers_tokens_per_s']:.1f}",
+             f"{r['plain_tokens_per_s']:.1f} ({r['plain_vs_transformers']:.2f}x)"]
+    for d in drafts:
+        name = f"speculative {d}"
+        cells.append(f"{r[name + '_tokens_per_s']:.1f} ({r[name + '_vs_plain']:.2f}x plain; accept "
+                     f"{r[name + '_acceptance_rate']:.0%}, {r[name + '_tokens_per_target_pass']:.2f} tok/pass)")
+    cells.append(f"{r['int8_tokens_per_s']:.1f} ({r['int8_vs_transformers']:.2f}x)")
+    return "| " + " | ".join(cells) + " |"
 
 
-def format_table(rows: list[dict]) -> str:
-    head = ["| batch | N | transformers tok/s | kstep plain tok/s (vs transformers) | + speculative tok/s "
-            "(vs plain) | + int8 tok/s (vs transformers) |", "|---|---|---|---|---|---|"]
-    return "\n".join(head + [format_row(r) for r in rows])
+def format_table(rows: list[dict], drafts: list[str]) -> str:
+    columns = ["batch", "N", "transformers tok/s", "kstep plain tok/s (vs transformers)",
+               *(f"+ speculative, draft {d} (vs plain)" for d in drafts), "+ int8 tok/s (vs transformers)"]
+    head = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(head + [format_row(r, drafts) for r in rows])

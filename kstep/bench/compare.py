@@ -4,7 +4,9 @@ For each output length N and each side (diffusion exact; diffusion dual cache + 
 its KV cache), one request at a time on the same prompts, in one process, one after another:
 end-to-end latency (median over prompts x repeats), forward passes, tokens per pass, tokens/s and
 time to first streamed token (the first committed text). Every generation produces exactly N
-tokens (`ignore_eos`), so sides and lengths do the same work whatever the models say.
+tokens that are not end-of-sequence (`min_tokens` = N), so sides and lengths do the same work
+whatever the models say (a fine-tuned model would otherwise fill the tail with end-of-sequence
+tokens, which a diffusion model unmasks in few passes and AR must still emit one by one).
 
 The cost model (kstep/bench/cost_model.py) turns this device's calibrated bandwidth and matmul
 throughput into a floor per side and length; measured / floor says how far each side is from what
@@ -45,7 +47,7 @@ class Side:
 
 
 SIDES = {
-    "diffusion exact": Side("diffusion exact", True, {"cache": "none"}),
+    "diffusion exact": Side("diffusion exact", True, {"exact": True}),
     "diffusion dual+threshold": Side("diffusion dual+threshold", True, {"cache": "dual", "threshold": 0.9}),
     "diffusion dual K=N/4": Side("diffusion dual K=N/4", True, {"cache": "dual", "steps_per_token": 0.25}),
     "ar": Side("ar", False, {}),
@@ -59,7 +61,7 @@ def params_for(side: Side, n: int, block_length: int) -> GenerationParams:
         if "steps_per_token" in settings:  # K = N * fraction, rounded to whole passes per block
             blocks = n // block
             settings["steps"] = blocks * max(1, round(block * settings.pop("steps_per_token")))
-    return GenerationParams(max_tokens=n, temperature=0.0, ignore_eos=True, **settings)
+    return GenerationParams(max_tokens=n, temperature=0.0, ignore_eos=True, min_tokens=n, **settings)
 
 
 def timed_generation(llm: LLM, prompt_ids: list[int], params: GenerationParams) -> dict:
@@ -112,7 +114,8 @@ def floor_cost(llm: LLM, side: Side, prompt_len: int, n: int, passes: float, blo
                dtype_bytes: int) -> PassCost:
     if not side.is_diffusion:
         return ar_cost(llm.cfg, prompt_len, n, dtype_bytes)
-    return diffusion_cost(llm.cfg, prompt_len, n, passes, min(block_length, n), side.settings["cache"], dtype_bytes)
+    cache = params_for(side, n, block_length).resolved_for_diffusion().cache
+    return diffusion_cost(llm.cfg, prompt_len, n, passes, min(block_length, n), cache, dtype_bytes)
 
 
 def interpolate_crossover(ns: list[float], ratio: list[float]) -> float | None:

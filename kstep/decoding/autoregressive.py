@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kstep.decoding.sampling import sample_tokens
+from kstep.decoding.sampling import sample_tokens, suppress_stop_tokens
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
 
@@ -67,6 +67,9 @@ class AutoregressiveDecoder:
         p = self.params
         if self.num_generated == 0 and self.prefix_cache is not None:
             self.prefix_cache.store(self.prompts[0].tolist(), self.kv)
+        logits = logits[:, -1:]
+        if self.num_generated < p.min_tokens:
+            logits = suppress_stop_tokens(logits, self.stop_ids, self.num_generated, p.min_tokens)
         token = sample_tokens(logits[:, -1], p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
         token = torch.where(self.finished, self.pad_id, token)
         self.row_nfe += ~self.finished

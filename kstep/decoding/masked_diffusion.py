@@ -24,7 +24,7 @@ sequences -> `update`), so the same code serves `kstep generate` and the serving
 """
 import torch
 
-from kstep.decoding.sampling import sample_tokens
+from kstep.decoding.sampling import sample_tokens, suppress_stop_tokens
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.unmask import (
     choose_factor,
@@ -99,31 +99,43 @@ class DiffusionDecoder:
 
     def next_pass(self) -> ForwardPass | None:
         """The forward pass the next step needs (None once finished): a full pass when uncached or at
-        a block start, otherwise a window pass against the cache."""
+        a block start, otherwise a window pass against the cache. Logits only for the block's
+        columns still masked in some row: no other position can be unmasked in this step."""
         if self.is_finished:
             return None
         ids, key_mask = self._model_input()
         (start, end), L, cache = self.block, self.canvas.shape[1], self.params.cache
+        self.columns = (self.canvas[:, start:end] == self.mask_id).any(0).nonzero().squeeze(1)  # (t,)
         if cache == "none" or self.step_idx == 0:
-            return self.runner.full_pass(ids, key_mask, start, end, self.kv)
+            return self.runner.full_pass(ids, key_mask, start, end, self.kv, self.columns)
         window_end = L if cache == "prefix" else end
-        return self.runner.window_pass(ids, key_mask, start, window_end, L, end - start, self.kv)
+        return self.runner.window_pass(ids, key_mask, start, window_end, L, end - start, self.kv, self.columns)
 
     def update(self, logits: torch.Tensor) -> None:
-        """Apply one step given the block's logits ((B or 2B), block_length, V) from `next_pass`'s pass."""
+        """Apply one step given the logits ((B or 2B), t, V) of the masked block columns `next_pass`
+        asked for."""
         p = self.params
         if p.cfg_scale > 0:
             cond, uncond = logits.chunk(2)
             logits = uncond + (p.cfg_scale + 1) * (cond - uncond)
+        start, end = self.block
+        block = self.canvas[:, start:end]
+        columns = self.columns
         # The mask token is never a candidate (a masked position must become a token); confidence is
         # still scored on the unmodified logits, as the references do.
         proposal = logits.clone()
         proposal[..., self.mask_id] = float("-inf")
-        candidates = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, T)
-        start, end = self.block
-        block = self.canvas[:, start:end]
+        if p.min_tokens:
+            proposal = suppress_stop_tokens(proposal, self.stop_ids, (start - self.prompt_len + columns)[None],
+                                            p.min_tokens)
+        picked = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, t)
+        picked_confidence = self.rule(logits, picked, self.generator)  # (B, t)
+        # Back to the whole block: positions without logits are unmasked already in every row.
+        candidates = torch.zeros_like(block).index_copy_(1, columns, picked)
+        confidence = torch.full(block.shape, float("-inf"), device=block.device).index_copy_(
+            1, columns, picked_confidence.float())
         is_masked = block == self.mask_id
-        confidence = self.rule(logits, candidates, self.generator).masked_fill(~is_masked, float("-inf"))
+        confidence = confidence.masked_fill(~is_masked, float("-inf"))
         chosen = self._choose(confidence) & is_masked
         block.copy_(torch.where(chosen, candidates, block))
         self.row_nfe += chosen.any(-1)

@@ -4,7 +4,13 @@ Gumbel-max follows LLaDA's `add_gumbel_noise`: argmax of exp(logits) / (-log u)^
 because low-precision Gumbel noise hurts MDM generation quality (arXiv:2409.02908). It samples
 from softmax(logits / T). Logits are shifted by their row max first (same argmax, no overflow).
 """
+from typing import TYPE_CHECKING
+
 import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kstep.params import GenerationParams
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -34,3 +40,30 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
     shifted = logits.double() - logits.double().amax(-1, keepdim=True)
     noise = torch.rand(shifted.shape, generator=generator, dtype=torch.float64, device=logits.device)
     return (shifted.exp() / (-torch.log(noise)) ** temperature).argmax(-1)
+
+
+def sampling_probs(logits: torch.Tensor, params: "GenerationParams") -> torch.Tensor:
+    """(..., V) -> the float64 distribution `sample_tokens` draws from at params.temperature > 0."""
+    logits = logits.double()
+    if params.top_k is not None or params.top_p is not None:
+        kept = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+        logits = logits.masked_fill(torch.isinf(kept), float("-inf"))
+    return F.softmax(logits / params.temperature, dim=-1)
+
+
+def suppress_stop_tokens(logits: torch.Tensor, stop_ids: torch.Tensor, output_index: torch.Tensor | int,
+                         min_tokens: int) -> torch.Tensor:
+    """vLLM's min_tokens: logits (B, T, V) whose positions are completion tokens number
+    `output_index` (broadcastable to (B, T)), with the stop ids at -inf where that is below min_tokens."""
+    B, T, _ = logits.shape
+    if isinstance(output_index, int):  # one position for the whole batch (AR decode): no host sync
+        if output_index >= min_tokens:
+            return logits
+        return logits.index_fill(-1, stop_ids, float("-inf"))
+    early = (torch.as_tensor(output_index, device=logits.device) < min_tokens).expand(B, T)  # (B, T)
+    if not bool(early.any()):
+        return logits
+    logits = logits.clone()
+    stop = logits[..., stop_ids]
+    logits[..., stop_ids] = torch.where(early[..., None], float("-inf"), stop)
+    return logits

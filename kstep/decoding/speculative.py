@@ -1,31 +1,24 @@
 """Speculative decoding for the AR path (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023,
-arXiv:2302.01318): a small draft model proposes `num_draft_tokens` (gamma) tokens one by one; the
-target scores all of them in one pass; each draft token d is kept with probability
-min(1, p(d) / q(d)), the first rejected one is replaced by a sample from norm(max(0, p - q)), and
-if all are kept a bonus token is sampled from the target's next distribution. The output
-distribution is exactly the target's (p and q are the distributions the plain decoders sample
+arXiv:2302.01318): a drafter (a small draft model, or n-gram lookup: `drafters.py`) proposes
+`num_draft_tokens` (gamma) tokens; the target scores all of them in one pass; each draft token d
+is kept with probability min(1, p(d) / q(d)), the first rejected one is replaced by a sample from
+norm(max(0, p - q)), and if all are kept a bonus token is sampled from the target's next
+distribution. The output distribution is exactly the target's (p and q are the distributions the plain decoders sample
 from: temperature, top-k, top-p applied); at temperature 0 it is the target's greedy output.
 
 Rows accept different numbers of tokens, so each row keeps its own length: its tokens live at its
 own cache slots, and a rejected suffix is "rolled back" by moving the row's length back (its stale
 slots are masked out and overwritten by the next pass). Cache invariant per row: every committed
-token except the last is in both caches.
+token except the last is in the target's cache (and a draft model's).
 """
 import torch
-import torch.nn.functional as F
 
-from kstep.decoding.sampling import filter_logits, sample_tokens
+from kstep.decoding.drafters import ModelDrafter, NgramDrafter
+from kstep.decoding.sampling import sample_tokens, sampling_probs, suppress_stop_tokens
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
 
-
-def sampling_probs(logits: torch.Tensor, params: GenerationParams) -> torch.Tensor:
-    """(..., V) -> the float64 distribution `sample_tokens` draws from at params.temperature > 0."""
-    logits = logits.double()
-    if params.top_k is not None or params.top_p is not None:
-        kept = filter_logits(logits / params.temperature, params.top_k, params.top_p)
-        logits = logits.masked_fill(torch.isinf(kept), float("-inf"))
-    return F.softmax(logits / params.temperature, dim=-1)
+__all__ = ["SpeculativeDecoder", "accept_drafts", "accept_greedy", "sampling_probs"]
 
 
 def accept_drafts(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor,
@@ -55,42 +48,46 @@ def accept_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[to
 
 
 class SpeculativeDecoder:
-    """Decodes left-padded prompts (B, P) with the target on `runner` and a draft on `draft_runner`.
-    `next_pass` runs the draft's proposals itself and returns the target's verification pass."""
+    """Decodes left-padded prompts (B, P) with the target on `runner` and drafts from `draft_runner`'s
+    model, or from n-gram lookup when it is None. `next_pass` gets the drafts itself and returns the
+    target's verification pass."""
 
-    def __init__(self, runner: ModelRunner, draft_runner: ModelRunner, prompts: torch.Tensor,
+    def __init__(self, runner: ModelRunner, draft_runner: ModelRunner | None, prompts: torch.Tensor,
                  key_mask: torch.Tensor | None, params: GenerationParams, stop_ids: torch.Tensor, pad_id: int,
                  generator: torch.Generator | None):
-        self.runner, self.draft_runner, self.params, self.generator = runner, draft_runner, params, generator
+        self.runner, self.params, self.generator = runner, params, generator
         self.prompts, self.key_mask, self.pad_id = prompts, key_mask, pad_id
         self.stop_ids = set(stop_ids.tolist()) if not params.ignore_eos else set()
+        self.stop_tensor = stop_ids
         self.gamma = params.num_draft_tokens
         B, P = prompts.shape
         slots = P + params.max_tokens + self.gamma + 1
-        self.kv, self.draft_kv = runner.allocate_kv(B, slots), draft_runner.allocate_kv(B, slots)
+        self.kv = runner.allocate_kv(B, slots)
         self.real = torch.ones(B, slots, dtype=torch.bool, device=prompts.device)
         if key_mask is not None:
             self.real[:, :P] = key_mask
             self.positions = positions_from_padding(key_mask)
         else:
             self.positions = torch.arange(P, device=prompts.device).expand(B, -1)
+        if draft_runner is None:
+            rows = prompts.tolist() if key_mask is None else [p[m].tolist() for p, m in zip(prompts, key_mask)]
+            self.drafter = NgramDrafter(rows, runner.model.cfg.vocab_size, params)
+        else:
+            self.drafter = ModelDrafter(draft_runner, prompts, self.positions, key_mask, self.real, params,
+                                        stop_ids, generator)
         self.out: list[list[int]] = [[] for _ in range(B)]
         self.row_finished = [False] * B
         self.row_nfe = torch.zeros(B, dtype=torch.long)
         self.nfe, self.is_finished = 0, False
-        self.num_proposed, self.num_kept, self.num_draft_passes = 0, 0, 0
+        self.num_proposed, self.num_kept = 0, 0
         self.drafts: torch.Tensor | None = None
         self.draft_probs: torch.Tensor | None = None
 
     # --- state per row ------------------------------------------------------------------------------
 
-    def _last_two(self) -> torch.Tensor:
-        """(B, 2): each row's second-to-last and last committed tokens."""
-        rows = [[*self.prompts[b, -1:].tolist(), *self.out[b]][-2:] for b in range(len(self.out))]
-        return torch.tensor(rows, device=self.prompts.device)
-
-    def _generated(self) -> torch.Tensor:
-        return torch.tensor([len(o) for o in self.out], device=self.prompts.device)
+    def _last_committed(self) -> torch.Tensor:
+        """(B, 1): each row's last committed token."""
+        return torch.tensor([[self.out[b][-1]] for b in range(len(self.out))], device=self.prompts.device)
 
     # --- passes -----------------------------------------------------------------------------------
 
@@ -98,40 +95,24 @@ class SpeculativeDecoder:
         if self.is_finished:
             return None
         P = self.prompts.shape[1]
-        if self.nfe == 0:  # prefill both caches with the prompt; the target's pass picks token 1
-            self.draft_runner.logits(self.draft_runner.causal_pass(self.prompts, self.positions, self.key_mask, 0,
-                                                                   self.draft_kv))
+        if self.nfe == 0:  # prefill (target and draft) with the prompt; the target's pass picks token 1
+            self.drafter.prefill()
             return self.runner.causal_pass(self.prompts, self.positions, self.key_mask, 0, self.kv)
-        g = self._generated()
-        last_position = self.positions[:, -1]  # (B,) the prompt's last position
-        # The draft catches up on the last two committed tokens (the second may be a bonus token it
-        # never saw), then proposes gamma tokens one pass at a time.
-        ids, start = self._last_two(), P + g - 2
-        drafts, probs = [], []
-        for i in range(self.gamma):
-            positions = last_position[:, None] + (start - P + 1)[:, None] + torch.arange(ids.shape[1],
-                                                                                         device=ids.device)
-            forward_pass = self.draft_runner.ragged_causal_pass(ids, positions, start, self.real, self.draft_kv)
-            logits = self.draft_runner.logits(forward_pass)[:, -1]  # (B, V)
-            self.num_draft_passes += 1
-            token = sample_tokens(logits, self.params.temperature, self.generator, self.params.top_k, self.params.top_p)
-            drafts.append(token)
-            if self.params.temperature > 0:
-                probs.append(sampling_probs(logits, self.params))
-            start = start + ids.shape[1]
-            ids = token[:, None]
-        self.drafts = torch.stack(drafts, 1)  # (B, gamma)
-        self.draft_probs = torch.stack(probs, 1) if probs else None
-        last = self._last_two()[:, 1:]
-        ids = torch.cat([last, self.drafts], 1)  # (B, gamma + 1)
-        start = P + g - 1
-        positions = last_position[:, None] + g[:, None] + torch.arange(ids.shape[1], device=ids.device)
-        return self.runner.ragged_causal_pass(ids, positions, start, self.real, self.kv)
+        self.drafts, self.draft_probs = self.drafter.propose(self.out, self.gamma)
+        self.drafts = self.drafts.to(self.prompts.device)
+        g = torch.tensor([len(o) for o in self.out], device=self.prompts.device)
+        ids = torch.cat([self._last_committed(), self.drafts], 1)  # (B, gamma + 1)
+        positions = self.positions[:, -1:] + g[:, None] + torch.arange(ids.shape[1], device=ids.device)
+        return self.runner.ragged_causal_pass(ids, positions, P + g - 1, self.real, self.kv)
 
     def update(self, logits: torch.Tensor) -> None:
         """Prefill: sample the first token from (B, 1, V). Otherwise verify: (B, gamma + 1, V)."""
         p = self.params
         self.nfe += 1
+        if p.min_tokens:
+            generated = torch.tensor([[len(o)] for o in self.out], device=logits.device)  # (B, 1)
+            index = generated + torch.arange(logits.shape[1], device=logits.device)  # (B, T)
+            logits = suppress_stop_tokens(logits, self.stop_tensor, index, p.min_tokens)
         if self.drafts is None:
             new = [[t] for t in sample_tokens(logits[:, -1], p.temperature, self.generator, p.top_k, p.top_p).tolist()]
         else:
@@ -156,7 +137,8 @@ class SpeculativeDecoder:
                     break
         self.drafts = self.draft_probs = None
         if all(self.row_finished):
-            self.is_finished, self.kv, self.draft_kv = True, None, None
+            self.is_finished, self.kv = True, None
+            self.drafter.release()
 
     # --- results ------------------------------------------------------------------------------------
 
@@ -172,4 +154,4 @@ class SpeculativeDecoder:
     def stats(self) -> dict[str, float]:
         return {"acceptance_rate": self.num_kept / self.num_proposed if self.num_proposed else 0.0,
                 "tokens_per_target_pass": sum(len(o) for o in self.out) / max(1, self.nfe) / len(self.out),
-                "draft_passes": self.num_draft_passes}
+                "draft_passes": self.drafter.num_passes}

@@ -32,6 +32,7 @@ class ForwardPass:
     cache_start: int = 0
     cache_len: int | None = None
     cache_slots: torch.Tensor | None = None   # (b, T): per-row write slots (rows of different lengths)
+    logits_columns: torch.Tensor | None = None  # only these of [logits_from, logits_to) (lean logits)
 
     @property
     def num_tokens(self) -> int:
@@ -68,22 +69,25 @@ class ModelRunner:
     # --- Pass builders: the three kinds of pass the decoders need --------------------------------
 
     def full_pass(self, ids: torch.Tensor, key_mask: torch.Tensor | None, logits_from: int, logits_to: int,
-                  kv: KVCache | None = None) -> ForwardPass:
+                  kv: KVCache | None = None, columns: torch.Tensor | None = None) -> ForwardPass:
         """A bidirectional pass over the whole canvas ids (B, L); with kv, every position's keys/values
-        are stored for later window passes. Logits only for [logits_from, logits_to): computing the LM
-        head for the positions that can change keeps memory from growing with canvas x vocabulary."""
+        are stored for later window passes. Logits only for [logits_from, logits_to), and of those
+        only `columns` when given: computing the LM head for the positions that can change keeps
+        memory from growing with canvas x vocabulary, and its work with what is still masked."""
         mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, L)
-        return ForwardPass(ids, self._positions(key_mask, *ids.shape), mask, logits_from, logits_to, "full", kv)
+        return ForwardPass(ids, self._positions(key_mask, *ids.shape), mask, logits_from, logits_to, "full", kv,
+                           logits_columns=columns)
 
     def window_pass(self, ids: torch.Tensor, key_mask: torch.Tensor | None, start: int, end: int,
-                    attend_len: int, num_logits: int, kv: KVCache) -> ForwardPass:
+                    attend_len: int, num_logits: int, kv: KVCache, columns: torch.Tensor | None = None) -> ForwardPass:
         """A bidirectional pass over only ids[:, start:end] of the canvas ids (B, L), attending to the
         cached keys/values of slots [0, attend_len) with this window's fresh ones written in place;
-        logits for the window's first `num_logits` positions. Fast-dLLM's prefix cache runs the
-        window [block start, L); its DualCache runs the block alone."""
+        logits for the window's first `num_logits` positions (only `columns` of them when given).
+        Fast-dLLM's prefix cache runs the window [block start, L); its DualCache runs the block alone."""
         mask = None if key_mask is None else key_mask[:, None, None, :attend_len]  # (B, 1, 1, S)
         positions = self._positions(key_mask, *ids.shape)[:, start:end]
-        return ForwardPass(ids[:, start:end], positions, mask, 0, num_logits, "window", kv, start, attend_len)
+        return ForwardPass(ids[:, start:end], positions, mask, 0, num_logits, "window", kv, start, attend_len,
+                           logits_columns=columns)
 
     def causal_pass(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None,
                     cache_start: int, kv: KVCache) -> ForwardPass:
@@ -130,6 +134,7 @@ class ModelRunner:
         hidden = self.model.packed_hidden_states(ids, positions, segments)  # (N, D)
         wanted = [hidden[s.rows].view(s.batch, s.length, -1)[:, p.logits_from:p.logits_to]
                   for p, s in zip(passes, segments)]  # each (b, t, D)
+        wanted = [w if p.logits_columns is None else w[:, p.logits_columns] for p, w in zip(passes, wanted)]
         if len(passes) == 1:
             return [self.model.logits(wanted[0])]
         # One LM-head matmul for every sequence: the head is the largest weight of a small model.

@@ -38,9 +38,11 @@ class SamplingFields(BaseModel):
     threshold: float | None = None
     factor: float | None = None
     cache: str | None = None
+    exact: bool | None = None           # LLaDA's reference sampler instead of dual cache + threshold
     cfg_scale: float | None = None
     early_stop: bool | None = None
     ignore_eos: bool | None = None
+    min_tokens: StrictInt | None = None         # vLLM's: no stop token among the first min_tokens
     num_draft_tokens: StrictInt | None = None   # AR with a --draft: speculative tokens per pass (0 = off)
 
     def stop_strings(self) -> list[str]:
@@ -68,9 +70,12 @@ class SamplingFields(BaseModel):
         if self.top_p is not None and self.top_p < 1:
             fields["top_p"] = self.top_p
         for name in ("seed", "top_k", "steps", "block_length", "remasking", "threshold", "factor", "cache",
-                     "cfg_scale", "early_stop", "ignore_eos", "num_draft_tokens"):
+                     "exact", "cfg_scale", "early_stop", "ignore_eos", "min_tokens",
+                     "num_draft_tokens"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
+        if self.exact is None and any(getattr(self, n) is not None for n in ("cache", "threshold", "factor")):
+            fields.pop("exact", None)  # a request choosing a cache or policy overrides a server-wide --exact
         return GenerationParams(**fields)
 
 

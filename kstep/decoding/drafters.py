@@ -1,0 +1,112 @@
+"""Where speculative decoding's draft tokens come from.
+
+`ModelDrafter`: a small AR model with its own KV cache, one pass per draft token (Leviathan et al.).
+`NgramDrafter`: no model at all: the tokens that followed the most recent earlier occurrence of the
+sequence's last n tokens (n = 4 down to 1), as vLLM's n-gram proposer and transformers' prompt lookup
+decoding. Its proposals cost no forward pass, which matters when a small draft model's pass costs
+nearly as much as the target's (per-pass overhead, not weight bytes, dominates small models).
+
+Both return (drafts (B, gamma), their distributions (B, gamma, V) at temperature > 0 else None); the
+rejection rule in `speculative.py` makes the output the target's distribution whatever they propose.
+"""
+import torch
+import torch.nn.functional as F
+
+from kstep.decoding.sampling import sample_tokens, sampling_probs, suppress_stop_tokens
+from kstep.params import GenerationParams
+from kstep.runner.model_runner import ModelRunner
+
+NGRAM_MAX, NGRAM_MIN = 4, 1
+NGRAM = "ngram"  # the --draft name that selects NgramDrafter
+
+
+class ModelDrafter:
+    """Proposes with a draft model whose cache slots mirror the target's (same `real` mask)."""
+
+    def __init__(self, runner: ModelRunner, prompts: torch.Tensor, positions: torch.Tensor,
+                 key_mask: torch.Tensor | None, real: torch.Tensor, params: GenerationParams,
+                 stop_ids: torch.Tensor, generator: torch.Generator | None):
+        self.runner, self.prompts, self.positions, self.key_mask, self.real = runner, prompts, positions, key_mask, real
+        self.params, self.stop_ids, self.generator = params, stop_ids, generator
+        self.kv = runner.allocate_kv(prompts.shape[0], real.shape[1])
+        self.num_passes = 0
+
+    def prefill(self) -> None:
+        self.runner.logits(self.runner.causal_pass(self.prompts, self.positions, self.key_mask, 0, self.kv))
+
+    def propose(self, history: list[list[int]], gamma: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """history: per row the committed tokens after the prompt (at least one each)."""
+        P, p = self.prompts.shape[1], self.params
+        g = torch.tensor([len(h) for h in history], device=self.prompts.device)
+        # The draft catches up on the last two committed tokens (the second may be the target's bonus
+        # token, which it never saw), then proposes one token per pass.
+        ids = torch.tensor([[*self.prompts[b, -1:].tolist(), *h][-2:] for b, h in enumerate(history)],
+                           device=self.prompts.device)
+        start, last_position = P + g - 2, self.positions[:, -1]
+        drafts, probs = [], []
+        for _ in range(gamma):
+            positions = last_position[:, None] + (start - P + 1)[:, None] + torch.arange(ids.shape[1],
+                                                                                         device=ids.device)
+            forward_pass = self.runner.ragged_causal_pass(ids, positions, start, self.real, self.kv)
+            logits = self.runner.logits(forward_pass)[:, -1:]  # (B, 1, V)
+            if p.min_tokens:  # propose what the target may emit (its stops are suppressed there too)
+                logits = suppress_stop_tokens(logits, self.stop_ids, (g + len(drafts))[:, None], p.min_tokens)
+            logits = logits[:, -1]
+            self.num_passes += 1
+            token = sample_tokens(logits, p.temperature, self.generator, p.top_k, p.top_p)
+            drafts.append(token)
+            if p.temperature > 0:
+                probs.append(sampling_probs(logits, p))
+            start = start + ids.shape[1]
+            ids = token[:, None]
+        return torch.stack(drafts, 1), torch.stack(probs, 1) if probs else None
+
+    def release(self) -> None:
+        self.kv = None
+
+
+class NgramDrafter:
+    """Proposes by lookup in each row's own text (prompt + committed tokens); an index of n-gram ->
+    where its latest earlier occurrence continues, updated as tokens commit, keeps a lookup O(1)."""
+
+    def __init__(self, prompts: list[list[int]], vocab_size: int, params: GenerationParams):
+        self.context = [list(p) for p in prompts]
+        self.prompt_lengths = [len(p) for p in prompts]
+        self.index: list[dict[tuple[int, ...], int]] = [{} for _ in prompts]
+        self.indexed = [0] * len(prompts)  # positions whose ending n-grams are in the index
+        self.vocab_size, self.params, self.num_passes = vocab_size, params, 0
+
+    def prefill(self) -> None:
+        pass
+
+    def _lookup(self, row: int, gamma: int) -> list[int]:
+        ctx, index = self.context[row], self.index[row]
+        # Index every n-gram ending before the last token: each has a continuation to propose.
+        for end in range(self.indexed[row], len(ctx) - 1):
+            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+                if end + 1 >= n:
+                    index[tuple(ctx[end + 1 - n: end + 1])] = end + 1
+        self.indexed[row] = max(self.indexed[row], len(ctx) - 1)
+        for n in range(min(NGRAM_MAX, len(ctx)), NGRAM_MIN - 1, -1):
+            start = index.get(tuple(ctx[-n:]))
+            if start is not None:
+                return ctx[start: start + gamma]
+        return []
+
+    def propose(self, history: list[list[int]], gamma: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        drafts = []
+        for row, committed in enumerate(history):
+            ctx = self.context[row]
+            ctx.extend(committed[len(ctx) - self.prompt_lengths[row]:])
+            found = self._lookup(row, gamma)
+            # Without (enough of) a match the row still verifies gamma tokens: the pass is shared by
+            # the batch; repeating the last token is as good a guess as any.
+            drafts.append(found + [(found or ctx)[-1]] * (gamma - len(found)))
+        drafts = torch.tensor(drafts, dtype=torch.long)
+        if self.params.temperature == 0:
+            return drafts, None
+        # A deterministic proposal is the distribution with all its mass on the draft token.
+        return drafts, F.one_hot(drafts, self.vocab_size).double()
+
+    def release(self) -> None:
+        pass
