@@ -56,9 +56,16 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     drafts, probs = drafter.propose([[7, 2, 3]], 3)
     assert drafts.tolist() == [[5, 6, 7]] and probs is None
     drafter = NgramDrafter([[1, 2]], vocab_size=10, params=kstep.GenerationParams(temperature=1.0))
-    drafts, probs = drafter.propose([[8]], 2)  # no match: the last token, repeated
-    assert drafts.tolist() == [[8, 8]]
-    assert probs.shape == (1, 2, 10) and probs[0, 0, 8] == 1.0  # a point mass: rejection stays exact
+    drafts, probs = drafter.propose([[8]], 2)  # no match in any row: no drafts, a plain decode step
+    assert drafts.shape == (1, 0) and probs.shape == (1, 0, 10)
+    drafter = NgramDrafter([[1, 2, 3, 1, 2], [4, 5]], vocab_size=10, params=kstep.GenerationParams(temperature=1.0))
+    drafts, probs = drafter.propose([[9], [6]], 4)  # row 0: (1, 2, 9)? no; (2, 9)? no; (9)? no -> no match
+    assert drafts.shape == (2, 0)
+    # row 0 (1 2 3 1 2 9 1): "1" last occurred at index 3, followed by 2 9 1 (all there is);
+    # row 1 (4 5 6 6): "6" at index 2, followed by 6; the batch verifies 3, row 1 padded
+    drafts, probs = drafter.propose([[9, 1], [6, 6]], 4)
+    assert drafts.tolist() == [[2, 9, 1], [6, 6, 6]]
+    assert probs.shape == (2, 3, 10) and probs[0, 0, 2] == 1.0  # a point mass: rejection stays exact
 
 
 def test_perfect_draft_accepts_everything(self_draft):

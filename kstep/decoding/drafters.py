@@ -94,15 +94,18 @@ class NgramDrafter:
         return []
 
     def propose(self, history: list[list[int]], gamma: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        drafts = []
+        """Up to gamma tokens per row; as many for every row as the longest match (0 when no row has
+        one: the verification pass is then a plain decode step, so lookup never costs a wider pass
+        for nothing). A shorter row is padded with its last token, which the rejection rule keeps
+        only where the target agrees."""
+        found = []
         for row, committed in enumerate(history):
             ctx = self.context[row]
             ctx.extend(committed[len(ctx) - self.prompt_lengths[row]:])
-            found = self._lookup(row, gamma)
-            # Without (enough of) a match the row still verifies gamma tokens: the pass is shared by
-            # the batch; repeating the last token is as good a guess as any.
-            drafts.append(found + [(found or ctx)[-1]] * (gamma - len(found)))
-        drafts = torch.tensor(drafts, dtype=torch.long)
+            found.append(self._lookup(row, gamma))
+        width = max(len(f) for f in found)
+        drafts = torch.tensor([f + [(f or self.context[row])[-1]] * (width - len(f)) for row, f in enumerate(found)],
+                              dtype=torch.long).reshape(len(found), width)
         if self.params.temperature == 0:
             return drafts, None
         # A deterministic proposal is the distribution with all its mass on the draft token.

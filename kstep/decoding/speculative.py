@@ -33,7 +33,8 @@ def accept_drafts(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts:
     num_kept = kept.sum(-1)  # (B,)
     index = num_kept[:, None, None].expand(B, 1, V)
     p_next = target_probs.gather(1, index).squeeze(1)  # (B, V)
-    q_next = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], 1).gather(1, index).squeeze(1)
+    no_draft = draft_probs.new_zeros(B, 1, V)  # after all g kept (or g = 0), the next token comes from p alone
+    q_next = torch.cat([draft_probs, no_draft], 1).gather(1, index).squeeze(1)
     residual = (p_next - q_next).clamp(min=0)  # after all g kept, q_next = 0: the bonus comes from p
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-300), p_next)
@@ -101,12 +102,12 @@ class SpeculativeDecoder:
         self.drafts, self.draft_probs = self.drafter.propose(self.out, self.gamma)
         self.drafts = self.drafts.to(self.prompts.device)
         g = torch.tensor([len(o) for o in self.out], device=self.prompts.device)
-        ids = torch.cat([self._last_committed(), self.drafts], 1)  # (B, gamma + 1)
+        ids = torch.cat([self._last_committed(), self.drafts], 1)  # (B, g + 1), g <= gamma
         positions = self.positions[:, -1:] + g[:, None] + torch.arange(ids.shape[1], device=ids.device)
         return self.runner.ragged_causal_pass(ids, positions, P + g - 1, self.real, self.kv)
 
     def update(self, logits: torch.Tensor) -> None:
-        """Prefill: sample the first token from (B, 1, V). Otherwise verify: (B, gamma + 1, V)."""
+        """Prefill: sample the first token from (B, 1, V). Otherwise verify: (B, g + 1, V)."""
         p = self.params
         self.nfe += 1
         if p.min_tokens:
@@ -124,7 +125,7 @@ class SpeculativeDecoder:
             drafts, num_kept, following = self.drafts.tolist(), num_kept.tolist(), following.tolist()
             new = [d[:k] + [f] for d, k, f in zip(drafts, num_kept, following, strict=True)]
             live = [not f for f in self.row_finished]
-            self.num_proposed += self.gamma * sum(live)
+            self.num_proposed += self.drafts.shape[1] * sum(live)
             self.num_kept += sum(k for k, alive in zip(num_kept, live, strict=True) if alive)
         for b, tokens in enumerate(new):
             if self.row_finished[b]:
