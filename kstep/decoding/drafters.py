@@ -69,8 +69,10 @@ class NgramDrafter:
     """Proposes by lookup in each row's own text (prompt + committed tokens); an index of n-gram ->
     where its latest earlier occurrence continues, updated as tokens commit, keeps a lookup O(1)."""
 
-    def __init__(self, prompts: list[list[int]], vocab_size: int, params: GenerationParams):
+    def __init__(self, prompts: list[list[int]], vocab_size: int, params: GenerationParams,
+                 device: torch.device | str = "cpu"):
         self.context = [list(p) for p in prompts]
+        self.device = device
         self.prompt_lengths = [len(p) for p in prompts]
         self.index: list[dict[tuple[int, ...], int]] = [{} for _ in prompts]
         self.indexed = [0] * len(prompts)  # positions whose ending n-grams are in the index
@@ -105,7 +107,7 @@ class NgramDrafter:
             found.append(self._lookup(row, gamma))
         width = max(len(f) for f in found)
         drafts = torch.tensor([f + [(f or self.context[row])[-1]] * (width - len(f)) for row, f in enumerate(found)],
-                              dtype=torch.long).reshape(len(found), width)
+                              dtype=torch.long, device=self.device).reshape(len(found), width)
         if self.params.temperature == 0:
             return drafts, None
         # A deterministic proposal is the distribution with all its mass on the draft token.

@@ -72,7 +72,7 @@ class SpeculativeDecoder:
             self.positions = torch.arange(P, device=prompts.device).expand(B, -1)
         if draft_runner is None:
             rows = prompts.tolist() if key_mask is None else [p[m].tolist() for p, m in zip(prompts, key_mask)]
-            self.drafter = NgramDrafter(rows, runner.model.cfg.vocab_size, params)
+            self.drafter = NgramDrafter(rows, runner.model.cfg.vocab_size, params, prompts.device)
         else:
             self.drafter = ModelDrafter(draft_runner, prompts, self.positions, key_mask, self.real, params,
                                         stop_ids, generator)
@@ -100,7 +100,6 @@ class SpeculativeDecoder:
             self.drafter.prefill()
             return self.runner.causal_pass(self.prompts, self.positions, self.key_mask, 0, self.kv)
         self.drafts, self.draft_probs = self.drafter.propose(self.out, self.gamma)
-        self.drafts = self.drafts.to(self.prompts.device)
         g = torch.tensor([len(o) for o in self.out], device=self.prompts.device)
         ids = torch.cat([self._last_committed(), self.drafts], 1)  # (B, g + 1), g <= gamma
         positions = self.positions[:, -1:] + g[:, None] + torch.arange(ids.shape[1], device=ids.device)
