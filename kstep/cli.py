@@ -235,18 +235,23 @@ def run_serve(args) -> int:
     import torch
     import uvicorn
 
+    from kstep.engine.async_engine import torch_thread
     from kstep.server.app import ServeConfig, build_app
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix-cache-mib {args.prefix_cache_mib} must be >= 0")
     for name in ("port", "max_batch_size", "max_queue", "max_body_bytes", "default_max_tokens"):
         if getattr(args, name) <= 0 or (name == "port" and args.port > 65535):
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     names = ("block_length", "remasking", "cache", "threshold", "factor", "cfg_scale", "exact")
     defaults = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     GenerationParams(**defaults)  # a bad default fails now, naming the flag's value
-    llm = load(args.model, device=args.device, dtype=args.dtype, draft=args.draft, quantize=args.quantize)
+
+    def load_model():
+        if args.threads is not None:  # OpenMP's thread count is per thread: set it where torch runs
+            torch.set_num_threads(args.threads)
+        return load(args.model, device=args.device, dtype=args.dtype, draft=args.draft, quantize=args.quantize)
+    executor = torch_thread()
+    llm = executor.submit(load_model).result()
     if not llm.is_diffusion:
         defaults = {k: v for k, v in defaults.items() if k not in names}
     if args.draft is not None:
@@ -259,7 +264,7 @@ def run_serve(args) -> int:
     kind = "diffusion" if llm.is_diffusion else "autoregressive"
     print(f"kstep serve: {config.model_name} ({kind}, {llm.path}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
-    uvicorn.run(build_app(llm, config), host=args.host, port=args.port, log_level=args.log_level,
+    uvicorn.run(build_app(llm, config, executor), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.graceful_timeout)
     return 0
 

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kstep.layers.attention import fuse_linears
+from kstep.layers.attention import fuse_linears, project
 
 
 class SwiGLU(nn.Module):
@@ -13,13 +13,16 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(d_model, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, d_model, bias=bias)
         self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.fused_down: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def fuse(self) -> None:
-        """For inference: gate and up as one matmul (see Attention.fuse)."""
+        """For inference: gate and up as one matmul, all in the transposed layout (see fuse_linears)."""
         self.fused = fuse_linears(self.gate_proj, self.up_proj)
+        self.fused_down = fuse_linears(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and not torch.is_grad_enabled():
-            gate, up = F.linear(x, *self.fused).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            gate, up = project(x, self.fused).chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+            return self.down_proj(hidden) if self.fused_down is None else project(hidden, self.fused_down)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

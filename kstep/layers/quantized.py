@@ -19,7 +19,7 @@ from torch import nn
 class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        w = linear.weight.detach().float()
+        w = linear.weight.detach().float().contiguous()  # fused weights are transposed views
         scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
         self.register_buffer("weight_int8", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scales.to(linear.weight.dtype)[:, None])  # (out, 1)
@@ -36,7 +36,7 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, group_size: int = 32):
         super().__init__()
-        w = linear.weight.detach().float()
+        w = linear.weight.detach().float().contiguous()  # fused weights are transposed views
         out_f, in_f = w.shape
         groups = w.view(out_f, in_f // group_size, group_size)
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
@@ -71,8 +71,9 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> dict[st
         raise ValueError(f"quantize {mode!r} is not supported (choose from {', '.join(QUANTIZATIONS)})")
     counts = {"int8": 0, "int4": 0}
     for module in model.modules():  # fused float weights would keep the originals alive
-        if hasattr(module, "fused"):
-            module.fused = None
+        for name in ("fused", "fused_out", "fused_down", "fused_head"):
+            if hasattr(module, name):
+                setattr(module, name, None)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):

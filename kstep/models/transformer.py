@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kstep.layers.attention import Attention, KVCache, Segment
+from kstep.layers.attention import Attention, KVCache, Segment, fuse_linears
 from kstep.layers.labels import labelled
 from kstep.layers.mlp import SwiGLU
 from kstep.layers.norm import RMSNorm
@@ -38,6 +38,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.embedding_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.fused_head: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def reset_rotary(self, device: torch.device | str) -> None:
         """(Re)build the float32 rotary tables on `device` (after meta init or a dtype cast)."""
@@ -45,10 +46,15 @@ class Transformer(nn.Module):
                                       self.cfg.rope_scaling).to(device)
 
     def fuse_projections(self) -> None:
-        """Inference only: fused q/k/v and gate/up matmuls (the parameters stay as they are)."""
+        """Inference only: fused q/k/v and gate/up matmuls, weights in the transposed layout (the
+        parameters stay as they are). An AR model's untied head too: it runs on one row per
+        sequence, where that layout is faster; a diffusion head runs on a block's rows, where it is
+        not (see fuse_linears)."""
         for layer in self.layers:
             layer.attn.fuse()
             layer.mlp.fuse()
+        if self.cfg.is_causal and self.lm_head is not None:
+            self.fused_head = fuse_linears(self.lm_head)
 
     def packed_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                              segments: list[Segment]) -> torch.Tensor:
@@ -72,7 +78,9 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped."""
         with labelled("kstep.lm_head"):
-            if self.lm_head is None or isinstance(self.lm_head, nn.Linear):
+            if self.fused_head is not None and not torch.is_grad_enabled():
+                out = hidden @ self.fused_head[0][:, : self.cfg.vocab_size]
+            elif self.lm_head is None or isinstance(self.lm_head, nn.Linear):
                 weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
                 out = F.linear(hidden, weight[: self.cfg.vocab_size])
             else:  # a quantized head computes the padded rows too

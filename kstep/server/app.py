@@ -8,6 +8,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -91,14 +92,15 @@ class BodySizeLimit:
             await e.response()(scope, receive, send)
 
 
-def build_app(llm: LLM, config: ServeConfig) -> FastAPI:
+def build_app(llm: LLM, config: ServeConfig, executor: ThreadPoolExecutor | None = None) -> FastAPI:
+    """`executor`: the thread the model was loaded on (`torch_thread`), which then runs every step."""
     metrics = Metrics()
     engine = Engine(llm, config.max_batch_size, config.max_queue, config.prefix_cache_bytes)
-    async_engine = AsyncEngine(engine, metrics.observe_step)
+    async_engine = AsyncEngine(engine, metrics.observe_step, executor)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await asyncio.to_thread(warm_up, llm)
+        await async_engine.run_on_torch_thread(warm_up, llm)
         await async_engine.start()
         yield
         await async_engine.stop()
