@@ -145,6 +145,7 @@ class LLM:
             return DiffusionDecoder(self.runner, ids, key_mask, params, self.cfg.mask_token_id, stop, generator)
         return AutoregressiveDecoder(self.runner, ids, key_mask, params, stop, self.pad_id, generator, prefix_cache)
 
+    @torch.inference_mode()  # the decoder's tensor work too, not only the forward passes
     def generate(self, prompts: Prompt | list[Prompt], params: GenerationParams | None = None,
                  **overrides) -> list[GenerationResult]:
         """Generate for one prompt or a batch (text or token ids); one result per prompt, in order."""

@@ -54,6 +54,7 @@ class Engine:
                                             for _ in range(request.num_rows)]
         return None
 
+    @torch.inference_mode()  # the decoders' own tensor work too, not only the forward pass
     def step(self) -> tuple[list[RequestOutput], StepStats | None]:
         batch, admitted = self.scheduler.schedule()
         outputs = [out for r in admitted if (out := self._admit(r)) is not None]
