@@ -1,5 +1,7 @@
 """Peak memory of one generation: CUDA's allocator statistics, or on the CPU the process's peak RSS
 (VmHWM) after resetting it, minus the resident size before the generation."""
+import ctypes
+import ctypes.util
 import re
 from pathlib import Path
 
@@ -9,6 +11,16 @@ import torch
 def _status_kib(field: str) -> int:
     match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
     return int(match.group(1)) if match else 0
+
+
+def _release_free_heap() -> None:
+    """Hand memory freed earlier (load-time copies, the warm-up) back to the OS (glibc's
+    malloc_trim), so the generation's own allocations show in the RSS instead of silently reusing
+    it. A no-op where the C library has no malloc_trim."""
+    libc = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    if trim is not None:
+        trim(0)
 
 
 class PeakMemory:
@@ -23,6 +35,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
         else:
+            _release_free_heap()
             Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
             self.base = _status_kib("VmRSS") * 1024
         return self

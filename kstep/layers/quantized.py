@@ -21,16 +21,21 @@ class Int8Linear(nn.Module):
         super().__init__()
         w = linear.weight.detach().float().contiguous()  # fused weights are transposed views
         scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
-        self.register_buffer("weight_int8", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(linear.weight.dtype)[:, None])  # (out, 1)
+        codes = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+        # Stored (in, out), as the float layers (kstep.layers.attention.fuse_linears): x @ W is the
+        # faster matmul at decode shapes, and dequantizing keeps the layout.
+        self.register_buffer("weight_int8", codes.t().contiguous())
+        self.register_buffer("scales", scales.to(linear.weight.dtype)[None, :])  # (1, out)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.out_features, self.in_features = w.shape
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.weight_int8.to(dtype) * self.scales.to(dtype)
+        """The (out, in) weight (a transposed view)."""
+        return (self.weight_int8.to(dtype) * self.scales.to(dtype)).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+        out = x @ self.dequantized(x.dtype).t()
+        return out if self.bias is None else out + self.bias
 
 
 class Int4Linear(nn.Module):
