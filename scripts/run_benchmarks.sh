@@ -17,6 +17,9 @@ $KSTEP bench serve --model default-ar --concurrency 16 --duration 60 --max-token
   --out "$OUT/bench/ar" | tee "$OUT/bench/ar/bench_serve.md"
 $KSTEP bench serve --model default-ar --shared-prefix-tokens 512 --concurrency 8 --duration 30 --max-tokens 16 \
   --threads 2 --out "$OUT/bench" | tee "$OUT/bench/bench_serve_prefix.md"
+# the engine's own batching ceiling, no HTTP (what bench serve's ratio can reach)
+.venv/bin/python scripts/engine_ceiling.py --model default | tee "$OUT/bench/engine_ceiling.md"
+.venv/bin/python scripts/engine_ceiling.py --model default-ar | tee -a "$OUT/bench/engine_ceiling.md"
 $KSTEP bench compare --out "$OUT/compare" | tee "$OUT/compare/compare.md"
 $KSTEP eval --out "$OUT/eval" | tee "$OUT/eval/eval.md"
 $KSTEP bench quant --out "$OUT/bench" | tee "$OUT/bench/bench_quant.md"
