@@ -1,7 +1,9 @@
 """The model handle behind `kstep.load`: prompts in, `GenerationResult`s out.
 
-Owns prompt validation, left padding, stop-token cutting and detokenising; the decoding itself is
-delegated to the decoder the checkpoint's family calls for (diffusion or autoregressive).
+Owns the loaded model (its runner, tokenizer, family, special ids, an optional draft), prompt
+validation, params resolution for its family, and the offline loop: one decoder stepped alone.
+Which decoder runs is the family's (kstep/registry.py); the serving engine steps the same
+decoders with other requests' (kstep/engine).
 """
 import time
 from dataclasses import replace
@@ -10,14 +12,12 @@ from pathlib import Path
 import torch
 
 from kstep.bundled import resolve_model
-from kstep.decoding.autoregressive import AutoregressiveDecoder
 from kstep.decoding.drafters import NGRAM
-from kstep.decoding.loop import Decoder, decode_alone
-from kstep.decoding.masked_diffusion import DiffusionDecoder
-from kstep.decoding.speculative import SpeculativeDecoder
+from kstep.decoding.loop import decode_alone
 from kstep.layers.quantized import quantize_model
 from kstep.outputs import GenerationResult
-from kstep.params import GenerationParams
+from kstep.params import AUTOREGRESSIVE, DIFFUSION, GenerationParams
+from kstep.registry import FAMILIES, make_decoder
 from kstep.runner.model_runner import ModelRunner
 from kstep.tokenizer import Tokenizer, load_tokenizer
 from kstep.weights import load_model
@@ -47,6 +47,7 @@ class LLM:
         if quantize is not None:
             quantize_model(self.model, quantize)
         self.cfg = self.model.cfg
+        self.family = FAMILIES[self.cfg.family]
         self.tokenizer: Tokenizer | None = load_tokenizer(self.path)
         self.runner = ModelRunner(self.model)
         eot = self.tokenizer.end_of_turn_ids() if self.tokenizer else []
@@ -56,7 +57,7 @@ class LLM:
         # draft: None, "ngram" (lookup in the text itself, no model), or an AR model over the same vocabulary.
         self.draft: LLM | str | None = draft if draft in (None, NGRAM) or isinstance(draft, LLM) else \
             LLM(draft, device, dtype, quantize=quantize)
-        if self.draft == NGRAM and not self.cfg.is_causal:
+        if self.draft == NGRAM and self.is_diffusion:
             raise ValueError(f"speculative decoding (draft {NGRAM!r}) needs an autoregressive model, "
                              f"not {self.path.name} ({self.cfg.family})")
         if isinstance(self.draft, LLM):
@@ -64,7 +65,7 @@ class LLM:
 
     def _check_draft(self, draft: "LLM") -> None:
         """A draft must be an AR model over the same vocabulary: its token ids mean the target's."""
-        if not self.cfg.is_causal or not draft.cfg.is_causal:
+        if self.is_diffusion or draft.is_diffusion:
             raise ValueError("speculative decoding needs an autoregressive target and draft "
                              f"({self.path.name}: {self.cfg.family}, draft {draft.path.name}: {draft.cfg.family})")
         same = draft.cfg.vocab_size == self.cfg.vocab_size
@@ -75,7 +76,20 @@ class LLM:
 
     @property
     def is_diffusion(self) -> bool:
-        return not self.cfg.is_causal
+        return self.family.kind == DIFFUSION
+
+    @property
+    def kind(self) -> str:
+        return self.family.kind
+
+    @property
+    def drafter(self) -> ModelRunner | str | None:
+        """What speculative decoding drafts with: the draft model's runner, "ngram", or None."""
+        return self.draft.runner if isinstance(self.draft, LLM) else self.draft
+
+    def resolve(self, params: GenerationParams) -> GenerationParams:
+        """`params` resolved for this model's family (raises ValueError naming a bad knob)."""
+        return params.resolve(self.cfg.family, self.family.kind, has_draft=self.draft is not None)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of one prompt, checked against the vocabulary and the mask id."""
@@ -102,15 +116,16 @@ class LLM:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.encode_prompt(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _left_pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        width = max(len(ids) for ids in batch)
-        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        key_mask = torch.zeros(len(batch), width, dtype=torch.bool)
-        for row, prompt in enumerate(batch):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            key_mask[row, width - len(prompt):] = True
-        has_padding = not bool(key_mask.all())
-        return ids.to(self.device), key_mask.to(self.device) if has_padding else None
+    def check_fits(self, rows: list[list[int]], params: GenerationParams) -> None:
+        """Prompts and completion must fit the model's context (a speculative step needs gamma + 1 more)."""
+        if not rows:
+            raise ValueError("no prompts given")
+        longest = max(len(ids) for ids in rows)
+        extra = params.num_draft_tokens + 1 if self.family.kind == AUTOREGRESSIVE and params.num_draft_tokens else 0
+        if longest + params.max_tokens + extra > self.cfg.max_positions:
+            what = f"max_tokens ({params.max_tokens})" + (" + num_draft_tokens + 1" if extra else "")
+            raise ValueError(f"prompt ({longest} tokens) + {what} exceeds the model's context of "
+                             f"{self.cfg.max_positions}")
 
     def cut_at_stop(self, row: list[int]) -> tuple[list[int], str]:
         """A completion up to its first end-of-sequence token, and why it ended."""
@@ -119,32 +134,6 @@ class LLM:
                 return row[:i], "stop"
         return row, "length"
 
-    def make_decoder(self, batch: list[list[int]], params: GenerationParams, prefix_cache=None) -> Decoder:
-        """The decoder for a batch of encoded prompts (left-padded into one canvas batch). It is
-        stepped alone by `generate`, or with other requests' decoders by the serving engine."""
-        if not batch:
-            raise ValueError("no prompts given")
-        longest = max(len(ids) for ids in batch)
-        if longest + params.max_tokens > self.cfg.max_positions:
-            raise ValueError(f"prompt ({longest} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                             f"context of {self.cfg.max_positions}")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
-        ids, key_mask = self._left_pad(batch)
-        stop = torch.tensor(self.stop_ids or [-1], device=self.device)
-        if params.num_draft_tokens > 0:
-            if self.draft is None:
-                raise ValueError("num_draft_tokens > 0 needs a draft model (kstep.load(..., draft=...), --draft)")
-            if longest + params.max_tokens + params.num_draft_tokens + 1 > self.cfg.max_positions:
-                raise ValueError(f"prompt ({longest}) + max_tokens ({params.max_tokens}) + num_draft_tokens + 1 "
-                                 f"exceeds the model's context of {self.cfg.max_positions}")
-            draft_runner = None if self.draft == NGRAM else self.draft.runner
-            return SpeculativeDecoder(self.runner, draft_runner, ids, key_mask, params, stop, self.pad_id, generator)
-        if self.is_diffusion:
-            return DiffusionDecoder(self.runner, ids, key_mask, params, self.cfg.mask_token_id, stop, generator)
-        return AutoregressiveDecoder(self.runner, ids, key_mask, params, stop, self.pad_id, generator, prefix_cache)
-
     @torch.inference_mode()  # the decoder's tensor work too, not only the forward passes
     def generate(self, prompts: Prompt | list[Prompt], params: GenerationParams | None = None,
                  **overrides) -> list[GenerationResult]:
@@ -152,22 +141,20 @@ class LLM:
         params = params or GenerationParams()
         if overrides:
             params = replace(params, **overrides)
+        params = self.resolve(params)
         is_single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         batch = [self.encode_prompt(p) for p in ([prompts] if is_single else prompts)]
         start = time.perf_counter()
-        decoder = self.make_decoder(batch, params)
+        decoder = make_decoder(self, batch, params)
         timings: dict[str, float] = {}
         if self.is_diffusion:
             timings = {"full_pass_seconds": 0.0, "window_pass_seconds": 0.0, "num_full_passes": 0,
                        "num_window_passes": 0}
-        decode_alone(self.runner, decoder, timings)
+        rows, row_nfe = decode_alone(decoder, timings)
         seconds = time.perf_counter() - start
-        timings = {"decode_seconds": seconds, **timings}
+        timings = {"decode_seconds": seconds, **timings, "batch_passes": decoder.nfe, **decoder.stats()}
         results = []
-        timings["batch_passes"] = decoder.nfe
-        if isinstance(decoder, SpeculativeDecoder):
-            timings.update(decoder.stats())
-        for prompt, row, nfe in zip(batch, decoder.completions.tolist(), decoder.row_nfe.tolist(), strict=True):
+        for prompt, row, nfe in zip(batch, rows, row_nfe, strict=True):
             tokens, reason = self.cut_at_stop(row)
             text = self.tokenizer.decode(tokens) if self.tokenizer else None
             results.append(GenerationResult(tokens, reason, nfe, seconds, len(prompt), text, dict(timings)))

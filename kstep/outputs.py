@@ -1,5 +1,24 @@
-"""Typed results that cross the API boundary."""
+"""Typed results that cross boundaries: a decoder's step (`StepOutput`, decoder -> engine and
+`LLM.generate`) and a finished generation (`GenerationResult`, the public API). Plain Python."""
 from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step of a decoder committed, per row of its batch. A committed token is final: it
+    and everything before it can no longer change (AR: every sampled token; diffusion: the leading
+    run of unmasked positions)."""
+    new_token_ids: list[list[int]]   # per row: tokens committed in this step, after the earlier ones
+    committed_lengths: list[int]     # per row: committed tokens so far
+    finished: list[bool]             # per row: its completion is final (stop token or max_tokens)
+    row_nfe: list[int]               # per row: forward passes it needed so far (what it takes alone)
+    nfe: int                         # the batch's forward passes of its own model so far
+    is_finished: bool                # the decoder needs no further pass
+    canvas: list[list[int]] | None = None  # per row: every position, masks included (when asked for)
+
+    @property
+    def num_committed(self) -> int:
+        return sum(len(ids) for ids in self.new_token_ids)
 
 
 @dataclass(slots=True)

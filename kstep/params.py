@@ -1,88 +1,149 @@
-"""Per-request generation knobs, validated here and nowhere else.
+"""Per-request generation knobs: declared once here (type, default, help, which families use them),
+validated here, and resolved here into what a decoder runs.
 
-Sampling knobs serve both decoders; `steps`, `block_length`, `remasking` and `cfg_scale` are the
-masked-diffusion knobs of LLaDA's `generate()` (`gen_length` is `max_tokens`).
+The declaration drives the edges: the CLI's flags (`kstep generate`, `kstep serve`'s defaults) and
+the HTTP extra fields are generated from it, so a new knob is one field below. Plain Python, no
+torch: the scheduler and request bookkeeping import it.
+
+Sampling knobs serve every family; `steps`, `block_length`, `remasking`, `cfg_scale` are the
+masked-diffusion knobs of LLaDA's `generate()` (`gen_length` is `max_tokens`); `alg_temp` and `eps`
+are Dream's (`diffusion_generate`).
 """
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Literal
 
-from kstep.decoding.unmask import UNMASK_RULES
-
+DIFFUSION, AUTOREGRESSIVE = "diffusion", "autoregressive"  # the two kinds of family
 DEFAULT_BLOCK_LENGTH = 32  # LLaDA-Instruct's recommended semi-autoregressive block
 # The fast default (Fast-dLLM's dual cache + confidence threshold): `kstep eval` measured it to hold
-# quality against the exact sampler on held-out prompts (README). `exact=True` is LLaDA's sampler.
+# quality against the exact sampler on held-out prompts (README). `exact=True` is the reference sampler.
 DEFAULT_CACHE = "dual"
 DEFAULT_THRESHOLD = 0.9
+DEFAULT_NUM_DRAFT_TOKENS = 4  # speculative decoding, when a draft is loaded
 CACHE_MODES = ("none", "prefix", "dual")
+# Unmask rules (confidence scores, `decoding/unmask.py`): LLaDA's low_confidence / random, Dream's
+# maskgit_plus (= low_confidence), topk_margin (= margin) and entropy.
+REMASKING_RULES = ("low_confidence", "random", "margin", "entropy")
+# Families whose reference sampler decodes the whole canvas as one block (`exact`), with passes that
+# may unmask nothing (Dream's `diffusion_generate`: steps may exceed the tokens).
+WHOLE_CANVAS_REFERENCE = ("dream",)
+
+
+def knob(default, help: str, families: tuple[str, ...] = (), choices: tuple | None = None,
+         server_default: bool = True, http: bool = True):
+    """A GenerationParams field. `families`: the family kinds or names it applies to (empty: all);
+    `server_default`: `kstep serve` takes it as a per-model default flag; `http`: a kstep extra field
+    of the OpenAI protocol (the standard fields are declared there with OpenAI's semantics)."""
+    return field(default=default, metadata={"help": help, "families": families, "choices": choices,
+                                            "server_default": server_default, "http": http})
+
+
+@dataclass(slots=True, frozen=True)
+class UnmaskPolicy:
+    """How many masks a diffusion step unmasks: `fixed` (the linear schedule, `value` passes per
+    block), `threshold` (every mask with confidence >= value, at least one), `factor` (Fast-dLLM's
+    factor rule). Chosen once, when params are resolved; `decoding/unmask.py` holds the strategies."""
+    kind: Literal["fixed", "threshold", "factor"]
+    value: float
 
 
 @dataclass(slots=True, frozen=True)
 class GenerationParams:
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    steps: int | None = None          # diffusion forward passes; None = max_tokens (one token per pass)
-    block_length: int | None = None   # None = 32 when it divides max_tokens, else max_tokens
-    remasking: str = "low_confidence"
-    cfg_scale: float = 0.0
-    cache: str | None = None          # none | prefix | dual (Fast-dLLM's caches); None = dual
-    threshold: float | None = None    # unmask every mask with confidence >= threshold (and the best one);
-                                      # None = 0.9 unless steps or factor fix the policy
-    exact: bool = False               # LLaDA's reference sampler: no cache, fixed schedule (steps)
-    factor: float | None = None       # Fast-dLLM's factor rule instead of a fixed count per step
-    early_stop: bool = True           # stop a row once an end-of-sequence token has nothing masked before it
-    ignore_eos: bool = False          # always produce max_tokens (benchmarks): no stop at end-of-sequence
-    min_tokens: int = 0               # no end-of-sequence/stop token among the first min_tokens (vLLM's min_tokens)
-    num_draft_tokens: int = 0         # AR speculative decoding: draft tokens per target pass (0 = off)
+    max_tokens: int = knob(128, "completion length (diffusion: the canvas size, LLaDA's gen_length)",
+                           server_default=False, http=False)
+    temperature: float = knob(0.0, "0 is greedy", http=False)
+    top_k: int | None = knob(None, "sample among the k most likely tokens")
+    top_p: float | None = knob(None, "nucleus sampling: the smallest set with this much mass", http=False)
+    seed: int | None = knob(None, "random seed of this request's sampling", server_default=False, http=False)
+    steps: int | None = knob(None, "diffusion forward passes with the fixed schedule (default: max tokens)",
+                             (DIFFUSION,), server_default=False)
+    block_length: int | None = knob(None, "semi-autoregressive block (default: 32 when it divides max tokens, "
+                                          "else max tokens)", (DIFFUSION,))
+    remasking: str = knob("low_confidence", "unmask rule", (DIFFUSION,), REMASKING_RULES)
+    cfg_scale: float = knob(0.0, "LLaDA's unsupervised classifier-free guidance", ("llada",))
+    cache: str | None = knob(None, "diffusion KV cache: none, prefix, dual (Fast-dLLM; the default)",
+                             (DIFFUSION,), CACHE_MODES)
+    threshold: float | None = knob(None, "unmask every mask with confidence >= T per pass, at least one "
+                                         "(default 0.9 unless steps or factor is given)", (DIFFUSION,))
+    factor: float | None = knob(None, "Fast-dLLM's factor unmask rule", (DIFFUSION,))
+    exact: bool = knob(False, "the reference sampler: no cache, fixed schedule, one token per pass "
+                              "(or steps passes)", (DIFFUSION,))
+    alg_temp: float | None = knob(None, "Dream's alg_temp: sample which masks to unmask from "
+                                        "softmax(confidence / alg_temp)", ("dream",))
+    eps: float | None = knob(None, "Dream's eps: the schedule runs from t = 1 to eps (default: the "
+                                   "checkpoint's generation_config, else 1e-3)", ("dream",))
+    early_stop: bool = knob(True, "diffusion: stop a row once an end-of-sequence token has nothing masked "
+                                  "before it (an AR row always stops at its end-of-sequence token)")
+    ignore_eos: bool = knob(False, "always produce max tokens: no stop at end-of-sequence")
+    min_tokens: int = knob(0, "no end-of-sequence or stop token among the first N tokens (vLLM's min_tokens)")
+    num_draft_tokens: int | None = knob(None, "draft tokens per target pass with a draft loaded "
+                                              f"(default {DEFAULT_NUM_DRAFT_TOKENS}; 0 turns it off)",
+                                        (AUTOREGRESSIVE,))
+    # Filled by `resolve` (never by a user): a resolved object is what decoders run.
+    policy: UnmaskPolicy | None = field(default=None, metadata={"resolved": True})
+    is_resolved: bool = field(default=False, metadata={"resolved": True})
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                             f"got {self.min_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k <= 0:
-            raise ValueError(f"top_k must be a positive integer, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.remasking not in UNMASK_RULES:
-            raise ValueError(f"remasking {self.remasking!r} is not a known unmask rule "
-                             f"(choose from {', '.join(UNMASK_RULES)})")
-        if self.cfg_scale < 0:
-            raise ValueError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
-        if self.block_length is not None and self.block_length <= 0:
-            raise ValueError(f"block_length must be a positive integer, got {self.block_length}")
-        if self.steps is not None and self.steps <= 0:
-            raise ValueError(f"steps must be a positive integer, got {self.steps}")
-        if self.cache is not None and self.cache not in CACHE_MODES:
-            raise ValueError(f"cache {self.cache!r} is not a cache mode (choose from {', '.join(CACHE_MODES)})")
-        if self.threshold is not None and not 0 < self.threshold <= 1:
-            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
-        if self.factor is not None and self.factor <= 0:
-            raise ValueError(f"factor must be > 0, got {self.factor}")
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, f"[0, max_tokens={self.max_tokens}]")
+        _check_number("temperature", self.temperature, 0)
+        _check_int("top_k", self.top_k, 1)
+        _check_number("top_p", self.top_p, 0, 1, exclusive_low=True)
+        _check_int("seed", self.seed, None)
+        _check_int("steps", self.steps, 1)
+        _check_int("block_length", self.block_length, 1)
+        _check_number("cfg_scale", self.cfg_scale, 0)
+        _check_number("threshold", self.threshold, 0, 1, exclusive_low=True)
+        _check_number("factor", self.factor, 0, exclusive_low=True)
+        _check_number("alg_temp", self.alg_temp, 0)
+        _check_number("eps", self.eps, 0, 1, exclusive_low=True)
+        _check_int("num_draft_tokens", self.num_draft_tokens, 0, 16, "[0, 16]")
+        for name in ("exact", "early_stop", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name, allowed in (("remasking", REMASKING_RULES), ("cache", CACHE_MODES)):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                what = "a known unmask rule" if name == "remasking" else "a cache mode"
+                raise ValueError(f"{name} {value!r} is not {what} (choose from {', '.join(allowed)})")
         if (self.threshold is not None or self.factor is not None) and self.remasking == "entropy":
             raise ValueError("threshold and factor compare confidences with probabilities; remasking 'entropy' "
                              "scores negative entropy: use low_confidence, margin or random")
-        if not isinstance(self.num_draft_tokens, int) or not 0 <= self.num_draft_tokens <= 16:
-            raise ValueError(f"num_draft_tokens must be an integer in [0, 16], got {self.num_draft_tokens!r}")
         if self.threshold is not None and self.factor is not None:
             raise ValueError("threshold and factor are two unmask policies: give one, not both")
         if self.exact and (self.cache not in (None, "none") or self.threshold is not None or self.factor is not None):
-            raise ValueError("exact is LLaDA's reference sampler (no cache, fixed schedule): it takes no cache, "
+            raise ValueError("exact is the reference sampler (no cache, fixed schedule): it takes no cache, "
                              "threshold or factor")
 
-    def resolved_for_diffusion(self) -> "GenerationParams":
-        """Fill the diffusion defaults and check the block/step arithmetic of LLaDA's sampler.
+    @property
+    def num_blocks(self) -> int:
+        return self.max_tokens // self.block_length
 
-        Defaults: the dual cache, and the 0.9 confidence threshold unless `steps` or `factor` chooses
-        the policy; `exact` turns both off (LLaDA's sampler, one forward pass per token unless steps)."""
-        cache, threshold = ("none", None) if self.exact else (self.cache or DEFAULT_CACHE, self.threshold)
-        if not self.exact and threshold is None and self.factor is None and self.steps is None:
-            threshold = DEFAULT_THRESHOLD
+    def resolve(self, family: str, kind: str, has_draft: bool = False) -> "GenerationParams":
+        """The params a decoder of `family` (of `kind`) runs: knobs it does not use are refused, the
+        defaults filled in, the unmask policy chosen. Called once, at the edge."""
+        if self.is_resolved:
+            return self
+        for f in user_knobs():
+            if not knob_applies(f.name, family, kind) and getattr(self, f.name) != f.default:
+                raise ValueError(f"{f.name} does not apply to a {family} model ({kind}); "
+                                 f"it is for {' / '.join(f.metadata['families'])} models")
+        if kind == AUTOREGRESSIVE:
+            draft_tokens = self.num_draft_tokens
+            if draft_tokens is None:
+                draft_tokens = DEFAULT_NUM_DRAFT_TOKENS if has_draft else 0
+            if draft_tokens > 0 and not has_draft:
+                raise ValueError("num_draft_tokens > 0 needs a draft model (kstep.load(..., draft=...), --draft)")
+            return replace(self, num_draft_tokens=draft_tokens, is_resolved=True)
+        return self._resolve_diffusion(family in WHOLE_CANVAS_REFERENCE)
+
+    def _resolve_diffusion(self, whole_canvas_reference: bool) -> "GenerationParams":
+        """Defaults: the dual cache, and the 0.9 confidence threshold unless `steps` or `factor`
+        chooses the policy; `exact` turns both off (one forward pass per token unless steps). Checks
+        the block/step arithmetic of LLaDA's sampler."""
+        cache = "none" if self.exact else self.cache or DEFAULT_CACHE
         block = self.block_length
+        if block is None and self.exact and whole_canvas_reference:
+            block = self.max_tokens
         if block is None:
             block = DEFAULT_BLOCK_LENGTH if self.max_tokens % DEFAULT_BLOCK_LENGTH == 0 else self.max_tokens
         if self.max_tokens % block:
@@ -92,11 +153,49 @@ class GenerationParams:
         if steps % num_blocks:
             raise ValueError(f"steps ({steps}) must divide evenly across the {num_blocks} blocks "
                              f"(max_tokens {self.max_tokens} / block_length {block})")
-        if steps // num_blocks > block:
+        if steps // num_blocks > block and not whole_canvas_reference:
             raise ValueError(f"steps per block ({steps // num_blocks}) exceeds block_length ({block}): "
                              f"at most one forward pass per token")
-        return replace(self, block_length=block, steps=steps, cache=cache, threshold=threshold)
+        if self.threshold is not None:
+            policy = UnmaskPolicy("threshold", self.threshold)
+        elif self.factor is not None:
+            policy = UnmaskPolicy("factor", self.factor)
+        elif self.steps is None and not self.exact:
+            policy = UnmaskPolicy("threshold", DEFAULT_THRESHOLD)
+        else:
+            policy = UnmaskPolicy("fixed", steps // num_blocks)
+        threshold = policy.value if policy.kind == "threshold" else None
+        return replace(self, block_length=block, steps=steps, cache=cache, threshold=threshold, policy=policy,
+                       is_resolved=True)
 
-    @property
-    def num_blocks(self) -> int:
-        return self.max_tokens // self.block_length
+
+def user_knobs() -> list:
+    """The declared knobs (dataclass fields), in order, without the fields `resolve` fills."""
+    return [f for f in fields(GenerationParams) if not f.metadata.get("resolved")]
+
+
+def knob_applies(name: str, family: str, kind: str) -> bool:
+    """Whether a family (of a kind) uses the knob `name`."""
+    applies = GenerationParams.__dataclass_fields__[name].metadata.get("families")
+    return not applies or family in applies or kind in applies
+
+
+def _check_int(name: str, value, low: int | None, high: int | None = None, rule: str | None = None) -> None:
+    if value is None:
+        return
+    bad = not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low) or \
+        (high is not None and value > high)
+    if bad:
+        rule = rule or ("an integer" if low is None else "a positive integer" if low == 1 else f"an integer >= {low}")
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def _check_number(name: str, value, low: float, high: float | None = None, exclusive_low: bool = False) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if (value <= low if exclusive_low else value < low) or (high is not None and value > high):
+        low_text = f"> {low}" if exclusive_low else f">= {low}"
+        raise ValueError(f"{name} must be {low_text}" + (f" and <= {high}" if high is not None else "") +
+                         f", got {value}")

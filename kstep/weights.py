@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kstep.models import FAMILIES, ModelConfig, Transformer, family_for
+from kstep.models import ModelConfig, Transformer
+from kstep.registry import FAMILIES, family_for
 
 
 def read_json(path: Path) -> dict:
@@ -40,6 +41,10 @@ def read_model_config(path: Path) -> ModelConfig:
     return cfg
 
 
+def _layout(cfg: ModelConfig):
+    return FAMILIES[cfg.family].layout
+
+
 def _tensor_files(path: Path) -> dict[str, Path]:
     """checkpoint tensor name -> file holding it."""
     index = path / "model.safetensors.index.json"
@@ -54,7 +59,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 def load_weights(model: Transformer, path: Path) -> None:
     """Fill every parameter of `model` from the checkpoint at `path`, or raise naming what is wrong."""
-    names = FAMILIES[model.cfg.family].checkpoint_names(model.cfg)
+    names = _layout(model.cfg).checkpoint_names(model.cfg)
     files = _tensor_files(path)
     params = dict(model.named_parameters())
     if set(names) != set(params):
@@ -98,7 +103,7 @@ def save_checkpoint(model: Transformer, path: str | Path, dtype: torch.dtype | N
     """Write config.json + model.safetensors in the model family's own checkpoint layout."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    family = FAMILIES[model.cfg.family]
+    family = _layout(model.cfg)
     raw = family.to_raw_config(model.cfg)
     raw["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")

@@ -19,7 +19,7 @@ from kstep.eval.metrics import edit_distance, function_part, normalized_edit_dis
 from kstep.eval.run import default_settings, run_eval
 from kstep.models import ModelConfig
 
-CFG = ModelConfig(family="llama", is_causal=True, vocab_size=500, embedding_size=500, d_model=64, n_layers=2,
+CFG = ModelConfig(family="llama", attention="causal", vocab_size=500, embedding_size=500, d_model=64, n_layers=2,
                   n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, norm_eps=1e-5, rope_theta=1e4,
                   max_positions=1024)
 

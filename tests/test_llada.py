@@ -122,11 +122,11 @@ def test_cache_modes_match_fast_dllm(llada_path, cache, policy):
 
 def test_defaults_are_dual_cache_and_threshold_with_exact_one_flag_away(llada_path):
     from kstep.params import GenerationParams
-    fast = GenerationParams(max_tokens=32).resolved_for_diffusion()
+    fast = GenerationParams(max_tokens=32).resolve("llada", "diffusion")
     assert (fast.cache, fast.threshold) == ("dual", 0.9)
-    assert GenerationParams(max_tokens=32, steps=16).resolved_for_diffusion().threshold is None  # steps: fixed
-    assert GenerationParams(max_tokens=32, factor=1.0).resolved_for_diffusion().threshold is None
-    exact = GenerationParams(max_tokens=32, exact=True).resolved_for_diffusion()
+    assert GenerationParams(max_tokens=32, steps=16).resolve("llada", "diffusion").threshold is None  # steps: fixed
+    assert GenerationParams(max_tokens=32, factor=1.0).resolve("llada", "diffusion").threshold is None
+    exact = GenerationParams(max_tokens=32, exact=True).resolve("llada", "diffusion")
     assert (exact.cache, exact.threshold, exact.steps) == ("none", None, 32)
     with pytest.raises(ValueError, match="exact"):
         GenerationParams(max_tokens=32, exact=True, threshold=0.5)

@@ -5,7 +5,7 @@ import httpx
 import kstep
 from kstep.bench.server_process import running_server
 from kstep.engine.engine import Engine
-from kstep.engine.prefix_cache import PrefixCache
+from kstep.runner.prefix_cache import PrefixCache
 from kstep.engine.request import Request
 from kstep.params import GenerationParams
 

@@ -255,8 +255,8 @@ def test_request_knobs_override_the_server_defaults():
     from kstep.server.protocol import CompletionRequest
     exact_server = {"exact": True}
     plain = CompletionRequest(model="m", prompt="x").generation_params(exact_server, 16)
-    assert plain.exact and plain.resolved_for_diffusion().cache == "none"
+    assert plain.exact and plain.resolve("llada", "diffusion").cache == "none"
     chosen = CompletionRequest(model="m", prompt="x", threshold=0.5).generation_params(exact_server, 16)
-    assert not chosen.exact and chosen.resolved_for_diffusion().cache == "dual"  # the request's policy wins
-    fast = CompletionRequest(model="m", prompt="x").generation_params({}, 16).resolved_for_diffusion()
+    assert not chosen.exact and chosen.resolve("llada", "diffusion").cache == "dual"  # the request's policy wins
+    fast = CompletionRequest(model="m", prompt="x").generation_params({}, 16).resolve("llada", "diffusion")
     assert (fast.cache, fast.threshold) == ("dual", 0.9)

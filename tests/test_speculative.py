@@ -69,9 +69,10 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
 
 
 def test_perfect_draft_accepts_everything(self_draft):
-    out = self_draft.generate(PROMPTS[:2], max_tokens=24, num_draft_tokens=3)
+    out = self_draft.generate(PROMPTS[:2], max_tokens=24, num_draft_tokens=3, ignore_eos=True)
     assert out[0].timings["acceptance_rate"] == 1.0
-    assert out[0].token_ids == self_draft.generate(PROMPTS[0], max_tokens=24)[0].token_ids
+    assert out[0].token_ids == self_draft.generate(PROMPTS[0], max_tokens=24, num_draft_tokens=0,
+                                                   ignore_eos=True)[0].token_ids
     assert out[0].nfe == 1 + -(-23 // 4)  # prefill, then 4 tokens per target pass
 
 

@@ -34,6 +34,8 @@ from kstep.bench.cost_model import (
     diffusion_cost,
 )
 from kstep.llm import LLM, load
+from kstep.registry import make_decoder
+from kstep.runner.model_runner import execute_passes
 from kstep.params import GenerationParams
 
 GRID = [2 ** k for k in range(3, 13)]  # 8 .. 4096: where floors and crossovers are predicted
@@ -68,17 +70,17 @@ def timed_generation(llm: LLM, prompt_ids: list[int], params: GenerationParams) 
     """One request alone, stepped here so the first committed text can be timed."""
     runner = llm.runner
     start = time.perf_counter()
-    decoder = llm.make_decoder([prompt_ids], params)
-    first = None
-    while (forward_pass := decoder.next_pass()) is not None:
-        decoder.update(runner.logits(forward_pass))
-        if first is None and decoder.committed_lengths()[0] > 0:
+    decoder = make_decoder(llm, [prompt_ids], llm.resolve(params))
+    first, out = None, None
+    while passes := decoder.next_passes():
+        out = decoder.update(execute_passes(passes))
+        if first is None and out.committed_lengths[0] > 0:
             runner.synchronize()
             first = time.perf_counter() - start
     runner.synchronize()
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "ttft": first if first is not None else seconds, "nfe": decoder.nfe,
-            "tokens": int(decoder.completions.shape[1])}
+            "tokens": out.committed_lengths[0]}
 
 
 def profile_generation(llm: LLM, prompt_ids: list[int], params: GenerationParams) -> dict:
@@ -89,10 +91,10 @@ def profile_generation(llm: LLM, prompt_ids: list[int], params: GenerationParams
     runner = llm.runner
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        decoder = llm.make_decoder([prompt_ids], params)
-        while (forward_pass := decoder.next_pass()) is not None:
+        decoder = make_decoder(llm, [prompt_ids], llm.resolve(params))
+        while passes := decoder.next_passes():
             with torch.profiler.record_function("kstep.forward"):
-                logits = runner.logits(forward_pass)
+                logits = execute_passes(passes)
                 runner.synchronize()
             with torch.profiler.record_function("kstep.update"):
                 decoder.update(logits)
@@ -114,7 +116,7 @@ def floor_cost(llm: LLM, side: Side, prompt_len: int, n: int, passes: float, blo
                dtype_bytes: int) -> PassCost:
     if not side.is_diffusion:
         return ar_cost(llm.cfg, prompt_len, n, dtype_bytes)
-    cache = params_for(side, n, block_length).resolved_for_diffusion().cache
+    cache = llm.resolve(params_for(side, n, block_length)).cache
     return diffusion_cost(llm.cfg, prompt_len, n, passes, min(block_length, n), cache, dtype_bytes)
 
 

@@ -43,7 +43,7 @@ def large_random_model(cache_dir: Path) -> Path:
     if (path / "model.safetensors").is_file():
         return path
     c = LARGE_CONFIG
-    cfg = ModelConfig(family="llada", is_causal=False, vocab_size=c["vocab_size"], embedding_size=c["vocab_size"],
+    cfg = ModelConfig(family="llada", attention="bidirectional", vocab_size=c["vocab_size"], embedding_size=c["vocab_size"],
                       d_model=c["d_model"], n_layers=c["n_layers"], n_heads=c["n_heads"], n_kv_heads=c["n_kv_heads"],
                       head_dim=c["head_dim"], ffn_dim=c["ffn_dim"], norm_eps=1e-5, rope_theta=10000.0,
                       max_positions=4096, mask_token_id=c["vocab_size"] - 1, pad_token_id=0,

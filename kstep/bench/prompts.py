@@ -10,6 +10,16 @@ from kstep.bundled import resolve_model
 CODE_PROMPTS = Path(__file__).resolve().parents[1] / "bundled" / "prompts" / "code_prompts.jsonl"
 
 
+def prompt_rows(path: str | None, count: int | None) -> list[dict]:
+    """The first `count` rows of a prompt file (default: the shipped held-out functions)."""
+    if count is not None and count <= 0:
+        raise ValueError(f"--num-prompts must be positive, got {count}")
+    if path is not None and not Path(path).is_file():
+        raise ValueError(f"--prompts {path!r}: no such file")
+    rows = read_prompt_file(path or CODE_PROMPTS)
+    return rows[:count] if count else rows
+
+
 def read_prompt_file(path: str | Path) -> list[dict]:
     """JSONL, one object per line with at least "prompt" (str); HumanEval files also carry
     "task_id", "test" and "entry_point"."""

@@ -2,27 +2,26 @@
 
 The KV cache is preallocated for prompt + max_tokens by the runner, so there is no recomputation
 of the prefix and no per-step allocation; it is the honest baseline diffusion is compared with.
-Like the diffusion decoder it is a step machine (`next_pass` / `update`), so the serving engine
-batches AR requests the same way.
+Like the diffusion decoder it is a step machine (decoding/base.py), so the serving engine batches
+AR requests the same way.
 """
-from typing import TYPE_CHECKING
-
 import torch
 
+from kstep.decoding.base import DecodeBatch, Decoder
 from kstep.decoding.sampling import sample_tokens, suppress_stop_tokens
+from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
-
-if TYPE_CHECKING:
-    from kstep.engine.prefix_cache import PrefixCache
+from kstep.runner.prefix_cache import PrefixCache
 
 
-class AutoregressiveDecoder:
+class AutoregressiveDecoder(Decoder):
     """Decodes left-padded prompts (B, P) until every row hits a stop id or max_tokens."""
 
-    def __init__(self, runner: ModelRunner, prompts: torch.Tensor, key_mask: torch.Tensor | None,
-                 params: GenerationParams, stop_ids: torch.Tensor, pad_id: int, generator: torch.Generator | None,
-                 prefix_cache: "PrefixCache | None" = None):
+    def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
+                 prefix_cache: PrefixCache | None = None):
+        prompts, key_mask = batch.prompts, batch.key_mask
+        stop_ids, pad_id, generator = batch.stop_ids, batch.pad_id, batch.generator
         self.runner, self.params, self.prompts = runner, params, prompts
         # Prefix caching needs every row to hold the same unpadded prompt (one prompt, n samples).
         same_rows = key_mask is None and bool((prompts == prompts[:1]).all())
@@ -41,15 +40,13 @@ class AutoregressiveDecoder:
         self.out = torch.full((B, N), pad_id, dtype=torch.long, device=prompts.device)
         self.finished = torch.zeros(B, dtype=torch.bool, device=prompts.device)
         self.num_generated, self.nfe, self.is_finished = 0, 0, False
-        self.row_nfe = torch.zeros(B, dtype=torch.long, device=prompts.device)  # passes until each row stopped
+        self.lengths = [0] * B  # committed tokens per row (up to and including its stop token)
+        self.row_done = [False] * B
 
-    @property
-    def completions(self) -> torch.Tensor:
-        return self.out[:, :self.num_generated]
+    def next_passes(self) -> list[ForwardPass]:
+        return [] if self.is_finished else [self._next_pass()]
 
-    def next_pass(self) -> ForwardPass | None:
-        if self.is_finished:
-            return None
+    def _next_pass(self) -> ForwardPass:
         if self.num_generated == 0:
             start = 0
             if self.prefix_cache is not None:  # at least the last prompt token runs: its logits pick token 1
@@ -62,9 +59,10 @@ class AutoregressiveDecoder:
         return self.runner.causal_pass(self.out[:, t - 1:t], position, self.key_mask,
                                        self.prompts.shape[1] + t - 1, self.kv)
 
-    def update(self, logits: torch.Tensor) -> None:
+    def update(self, logits: list[torch.Tensor]) -> StepOutput:
         """Sample the next token from the last position's logits (B, 1, V)."""
         p = self.params
+        [logits] = logits
         if self.num_generated == 0 and self.prefix_cache is not None:
             self.prefix_cache.store(self.prompts[0].tolist(), self.kv)
         logits = logits[:, -1:]
@@ -72,14 +70,15 @@ class AutoregressiveDecoder:
             logits = suppress_stop_tokens(logits, self.stop_ids, self.num_generated, p.min_tokens)
         token = sample_tokens(logits[:, -1], p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
         token = torch.where(self.finished, self.pad_id, token)
-        self.row_nfe += ~self.finished
         self.out[:, self.num_generated] = token
         self.num_generated, self.nfe = self.num_generated + 1, self.nfe + 1
         if not p.ignore_eos:
             self.finished |= torch.isin(token, self.stop_ids)
         if self.num_generated == p.max_tokens or bool(self.finished.all()):
             self.is_finished, self.kv = True, None
-
-    def committed_lengths(self) -> list[int]:
-        """Every sampled token is final."""
-        return [self.num_generated] * self.out.shape[0]
+        # Every sampled token is final; a row that had stopped commits nothing more. One pass per token,
+        # so a row's committed length is also its nfe.
+        new = [[] if done else [t] for t, done in zip(token.tolist(), self.row_done, strict=True)]
+        self.lengths = [n + len(ids) for n, ids in zip(self.lengths, new, strict=True)]
+        self.row_done = self.finished.tolist() if self.num_generated < p.max_tokens else [True] * len(new)
+        return StepOutput(new, self.lengths, self.row_done, self.lengths, self.nfe, self.is_finished)

@@ -1,12 +1,13 @@
 """Where speculative decoding's draft tokens come from.
 
-`ModelDrafter`: a small AR model with its own KV cache, one pass per draft token (Leviathan et al.).
+`ModelDrafter`: a small AR model with its own KV cache, one pass per draft token (Leviathan et al.);
+its passes are steps of the speculative decoder, so the engine packs and counts them like any other.
 `NgramDrafter`: no model at all: the tokens that followed the most recent earlier occurrence of the
 sequence's last n tokens (n = 4 down to 1), as vLLM's n-gram proposer and transformers' prompt lookup
 decoding. Its proposals cost no forward pass, which matters when a small draft model's pass costs
 nearly as much as the target's (per-pass overhead, not weight bytes, dominates small models).
 
-Both return (drafts (B, gamma), their distributions (B, gamma, V) at temperature > 0 else None); the
+Both yield (drafts (B, gamma), their distributions (B, gamma, V) at temperature > 0 else None); the
 rejection rule in `speculative.py` makes the output the target's distribution whatever they propose.
 """
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from kstep.decoding.sampling import sample_tokens, sampling_probs, suppress_stop_tokens
 from kstep.params import GenerationParams
-from kstep.runner.model_runner import ModelRunner
+from kstep.runner.model_runner import ForwardPass, ModelRunner
 
 NGRAM_MAX, NGRAM_MIN = 4, 1
 NGRAM = "ngram"  # the --draft name that selects NgramDrafter
@@ -31,35 +32,52 @@ class ModelDrafter:
         self.kv = runner.allocate_kv(prompts.shape[0], real.shape[1])
         self.num_passes = 0
 
-    def prefill(self) -> None:
-        self.runner.logits(self.runner.causal_pass(self.prompts, self.positions, self.key_mask, 0, self.kv))
+    def prefill_pass(self) -> ForwardPass:
+        """The prompt into the draft's cache (its logits are not needed: the target picks token 1)."""
+        self.num_passes += 1
+        return self.runner.causal_pass(self.prompts, self.positions, self.key_mask, 0, self.kv)
 
-    def propose(self, history: list[list[int]], gamma: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """history: per row the committed tokens after the prompt (at least one each)."""
-        P, p = self.prompts.shape[1], self.params
-        g = torch.tensor([len(h) for h in history], device=self.prompts.device)
-        # The draft catches up on the last two committed tokens (the second may be the target's bonus
-        # token, which it never saw), then proposes one token per pass.
-        ids = torch.tensor([[*self.prompts[b, -1:].tolist(), *h][-2:] for b, h in enumerate(history)],
-                           device=self.prompts.device)
-        start, last_position = P + g - 2, self.positions[:, -1]
-        drafts, probs = [], []
-        for _ in range(gamma):
-            positions = last_position[:, None] + (start - P + 1)[:, None] + torch.arange(ids.shape[1],
-                                                                                         device=ids.device)
-            forward_pass = self.runner.ragged_causal_pass(ids, positions, start, self.real, self.kv)
-            logits = self.runner.logits(forward_pass)[:, -1:]  # (B, 1, V)
-            if p.min_tokens:  # propose what the target may emit (its stops are suppressed there too)
-                logits = suppress_stop_tokens(logits, self.stop_ids, (g + len(drafts))[:, None], p.min_tokens)
-            logits = logits[:, -1]
-            self.num_passes += 1
-            token = sample_tokens(logits, p.temperature, self.generator, p.top_k, p.top_p)
-            drafts.append(token)
-            if p.temperature > 0:
-                probs.append(sampling_probs(logits, p))
-            start = start + ids.shape[1]
-            ids = token[:, None]
-        return torch.stack(drafts, 1), torch.stack(probs, 1) if probs else None
+    def start(self, history: list[list[int]], gamma: int) -> None:
+        """Begin proposing gamma tokens after `history`: per row the committed tokens after the prompt
+        (at least one each). The draft catches up on the last two committed tokens (the second may be
+        the target's bonus token, which it never saw), then proposes one token per pass."""
+        P = self.prompts.shape[1]
+        self.gamma = gamma
+        self.num_committed = torch.tensor([len(h) for h in history], device=self.prompts.device)
+        self.ids = torch.tensor([[*self.prompts[b, -1:].tolist(), *h][-2:] for b, h in enumerate(history)],
+                                device=self.prompts.device)
+        self.write_start = P + self.num_committed - 2
+        self.drafts: list[torch.Tensor] = []
+        self.probs: list[torch.Tensor] = []
+
+    @property
+    def is_done(self) -> bool:
+        return len(self.drafts) == self.gamma
+
+    def next_pass(self) -> ForwardPass:
+        P = self.prompts.shape[1]
+        offsets = torch.arange(self.ids.shape[1], device=self.ids.device)
+        positions = self.positions[:, -1:] + (self.write_start - P + 1)[:, None] + offsets
+        self.num_passes += 1
+        return self.runner.ragged_causal_pass(self.ids, positions, self.write_start, self.real, self.kv)
+
+    def absorb(self, logits: torch.Tensor) -> None:
+        """Sample the next draft token from a draft pass's logits (B, T, V)."""
+        p = self.params
+        logits = logits[:, -1:]  # (B, 1, V)
+        if p.min_tokens:  # propose what the target may emit (its stops are suppressed there too)
+            logits = suppress_stop_tokens(logits, self.stop_ids, (self.num_committed + len(self.drafts))[:, None],
+                                          p.min_tokens)
+        logits = logits[:, -1]
+        token = sample_tokens(logits, p.temperature, self.generator, p.top_k, p.top_p)
+        self.drafts.append(token)
+        if p.temperature > 0:
+            self.probs.append(sampling_probs(logits, p))
+        self.write_start = self.write_start + self.ids.shape[1]
+        self.ids = token[:, None]
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.stack(self.drafts, 1), torch.stack(self.probs, 1) if self.probs else None
 
     def release(self) -> None:
         self.kv = None
@@ -77,9 +95,6 @@ class NgramDrafter:
         self.index: list[dict[tuple[int, ...], int]] = [{} for _ in prompts]
         self.indexed = [0] * len(prompts)  # positions whose ending n-grams are in the index
         self.vocab_size, self.params, self.num_passes = vocab_size, params, 0
-
-    def prefill(self) -> None:
-        pass
 
     def _lookup(self, row: int, gamma: int) -> list[int]:
         ctx, index = self.context[row], self.index[row]

@@ -1,29 +1,28 @@
-"""Running one decoder alone, pass by pass: what `LLM.generate` does. The serving engine runs the
+"""Running one decoder alone, step by step: what `LLM.generate` does. The serving engine runs the
 same decoders, their passes packed with other requests' (kstep/engine)."""
 import time
-from typing import Protocol
 
-import torch
-
-from kstep.runner.model_runner import ForwardPass, ModelRunner
+from kstep.decoding.base import Decoder
+from kstep.runner.model_runner import execute_passes
 
 
-class Decoder(Protocol):
-    nfe: int
-    is_finished: bool
-
-    def next_pass(self) -> ForwardPass | None: ...
-
-    def update(self, logits: torch.Tensor) -> None: ...
-
-
-def decode_alone(runner: ModelRunner, decoder: Decoder, timings: dict[str, float]) -> None:
-    """Step the decoder to the end; adds `{kind}_pass_seconds` and `num_{kind}_passes` to timings."""
-    while (forward_pass := decoder.next_pass()) is not None:
+def decode_alone(decoder: Decoder, timings: dict[str, float]) -> tuple[list[list[int]], list[int]]:
+    """Step the decoder to the end; returns per row its committed tokens and its nfe. Adds
+    `{kind}_pass_seconds` and `num_{kind}_passes` to timings."""
+    rows: list[list[int]] | None = None
+    row_nfe: list[int] = []
+    while passes := decoder.next_passes():
         start = time.perf_counter()
-        logits = runner.logits(forward_pass)
-        runner.synchronize()
-        key = forward_pass.kind
-        timings[f"{key}_pass_seconds"] = timings.get(f"{key}_pass_seconds", 0.0) + time.perf_counter() - start
-        timings[f"num_{key}_passes"] = timings.get(f"num_{key}_passes", 0) + 1
-        decoder.update(logits)
+        logits = execute_passes(passes)
+        for p in passes:
+            p.runner.synchronize()
+        seconds = (time.perf_counter() - start) / len(passes)
+        for p in passes:
+            timings[f"{p.kind}_pass_seconds"] = timings.get(f"{p.kind}_pass_seconds", 0.0) + seconds
+            timings[f"num_{p.kind}_passes"] = timings.get(f"num_{p.kind}_passes", 0) + 1
+        out = decoder.update(logits)
+        rows = rows or [[] for _ in out.new_token_ids]
+        for row, new in zip(rows, out.new_token_ids, strict=True):
+            row.extend(new)
+        row_nfe = out.row_nfe
+    return rows or [], row_nfe

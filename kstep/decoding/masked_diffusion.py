@@ -19,19 +19,15 @@ Early stop: once a row has an end-of-sequence token with nothing masked before i
 canvas can no longer change its completion; its masks become that token. Once every row of the
 batch is final (or its blocks are done), no further passes run.
 
-The decoder is a step machine (`next_pass` -> the runner executes it, alone or packed with other
-sequences -> `update`), so the same code serves `kstep generate` and the serving engine.
+The decoder is a step machine (decoding/base.py), so the same code serves `kstep generate` and the
+serving engine.
 """
 import torch
 
+from kstep.decoding.base import DecodeBatch, Decoder, prefix_step_output
 from kstep.decoding.sampling import sample_tokens, suppress_stop_tokens
-from kstep.decoding.schedule import num_transfer_tokens
-from kstep.decoding.unmask import (
-    choose_factor,
-    choose_threshold,
-    choose_top,
-    confidence_rule,
-)
+from kstep.decoding.unmask import confidence_rule, make_policy
+from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner
 
@@ -50,14 +46,14 @@ def fill_after_stop(completions: torch.Tensor, stop_ids: torch.Tensor, mask_id: 
     completions.copy_(torch.where(is_final[:, None] & is_mask, stop_token, completions))
 
 
-class DiffusionDecoder:
+class DiffusionDecoder(Decoder):
     """Decodes one canvas batch (B rows with the same settings), block by block, one step per pass."""
 
-    def __init__(self, runner: ModelRunner, prompts: torch.Tensor, key_mask: torch.Tensor | None,
-                 params: GenerationParams, mask_id: int, stop_ids: torch.Tensor, generator: torch.Generator | None):
-        """prompts (B, P) left-padded; key_mask (B, P) marks real tokens or is None."""
-        self.params = p = params.resolved_for_diffusion()
-        self.runner, self.mask_id, self.stop_ids, self.generator = runner, mask_id, stop_ids, generator
+    def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams):
+        self.params = p = params
+        self.runner, self.mask_id, self.stop_ids, self.generator = runner, batch.mask_id, batch.stop_ids, batch.generator
+        self.include_canvas = batch.include_canvas
+        prompts, key_mask, mask_id = batch.prompts, batch.key_mask, batch.mask_id
         B, P = prompts.shape
         self.prompt_len = P
         self.canvas = torch.full((B, P + p.max_tokens), mask_id, dtype=torch.long, device=prompts.device)
@@ -66,9 +62,8 @@ class DiffusionDecoder:
             key_mask = torch.cat([key_mask, torch.ones(B, p.max_tokens, dtype=torch.bool, device=prompts.device)], 1)
         self.key_mask = key_mask
         self.rule = confidence_rule(p.remasking)
-        # Every block starts fully masked, so the fixed schedule is the same for all rows, known on the host.
-        steps_per_block = p.steps // p.num_blocks
-        self.schedule = num_transfer_tokens(torch.tensor([p.block_length]), steps_per_block)[0].tolist()
+        # Every block starts fully masked, so a fixed schedule is the same for all rows, known on the host.
+        self.policy = make_policy(p.policy, p.block_length)
         rows = B * (2 if p.cfg_scale > 0 else 1)
         self.kv = None if p.cache == "none" else runner.allocate_kv(rows, self.canvas.shape[1])
         self.block_idx, self.step_idx, self.nfe = 0, 0, 0
@@ -76,6 +71,7 @@ class DiffusionDecoder:
         # batch a row idles while the others finish a block; those passes change nothing in it).
         self.row_nfe = torch.zeros(B, dtype=torch.long, device=prompts.device)
         self.is_finished = False
+        self.committed = [0] * B  # per row, the committed length reported so far
 
     @property
     def completions(self) -> torch.Tensor:
@@ -97,24 +93,24 @@ class DiffusionDecoder:
         key_mask = None if self.key_mask is None else torch.cat([self.key_mask, self.key_mask])
         return torch.cat([self.canvas, unconditional]), key_mask
 
-    def next_pass(self) -> ForwardPass | None:
-        """The forward pass the next step needs (None once finished): a full pass when uncached or at
-        a block start, otherwise a window pass against the cache. Logits only for the block's
-        columns still masked in some row: no other position can be unmasked in this step."""
+    def next_passes(self) -> list[ForwardPass]:
+        """The forward pass the next step needs: a full pass when uncached or at a block start,
+        otherwise a window pass against the cache. Logits only for the block's columns still masked
+        in some row: no other position can be unmasked in this step."""
         if self.is_finished:
-            return None
+            return []
         ids, key_mask = self._model_input()
         (start, end), L, cache = self.block, self.canvas.shape[1], self.params.cache
         self.columns = (self.canvas[:, start:end] == self.mask_id).any(0).nonzero().squeeze(1)  # (t,)
         if cache == "none" or self.step_idx == 0:
-            return self.runner.full_pass(ids, key_mask, start, end, self.kv, self.columns)
+            return [self.runner.full_pass(ids, key_mask, start, end, self.kv, self.columns)]
         window_end = L if cache == "prefix" else end
-        return self.runner.window_pass(ids, key_mask, start, window_end, L, end - start, self.kv, self.columns)
+        return [self.runner.window_pass(ids, key_mask, start, window_end, L, end - start, self.kv, self.columns)]
 
-    def update(self, logits: torch.Tensor) -> None:
-        """Apply one step given the logits ((B or 2B), t, V) of the masked block columns `next_pass`
-        asked for."""
+    def update(self, logits: list[torch.Tensor]) -> StepOutput:
+        """Apply one step given the logits ((B or 2B), t, V) of the masked block columns asked for."""
         p = self.params
+        [logits] = logits
         if p.cfg_scale > 0:
             cond, uncond = logits.chunk(2)
             logits = uncond + (p.cfg_scale + 1) * (cond - uncond)
@@ -136,22 +132,15 @@ class DiffusionDecoder:
             1, columns, picked_confidence.float())
         is_masked = block == self.mask_id
         confidence = confidence.masked_fill(~is_masked, float("-inf"))
-        chosen = self._choose(confidence) & is_masked
+        chosen = self.policy.choose(confidence, self.step_idx) & is_masked
         block.copy_(torch.where(chosen, candidates, block))
         self.row_nfe += chosen.any(-1)
         self.step_idx, self.nfe = self.step_idx + 1, self.nfe + 1
         if p.early_stop and not p.ignore_eos:
             fill_after_stop(self.completions, self.stop_ids, self.mask_id)
         self._advance()
-
-    def _choose(self, confidence: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        if p.threshold is not None:
-            return choose_threshold(confidence, p.threshold)
-        if p.factor is not None:
-            return choose_factor(confidence, p.factor)
-        k = self.schedule[min(self.step_idx, len(self.schedule) - 1)]
-        return choose_top(confidence, torch.full((confidence.shape[0],), k, device=confidence.device), k)
+        return prefix_step_output(self, self.completions, self.committed, self.mask_id, self.stop_ids, self.row_nfe,
+                                  self.include_canvas)
 
     def _advance(self) -> None:
         """Move past every block with no masks left (a block ends when it has none)."""
@@ -164,10 +153,3 @@ class DiffusionDecoder:
             raise RuntimeError(f"internal: block {self.block_idx} still masked after {self.step_idx} steps")
         if self.block_idx == self.params.num_blocks:
             self.is_finished, self.kv = True, None
-
-    def committed_lengths(self) -> list[int]:
-        """Per row, the length of the completion's leading run with no masks: text that can be shown
-        because no later step can change it."""
-        is_mask = self.completions == self.mask_id
-        N = is_mask.shape[1]
-        return torch.where(is_mask.any(-1), is_mask.float().argmax(-1), N).tolist()

@@ -10,11 +10,16 @@ Rows accept different numbers of tokens, so each row keeps its own length: its t
 own cache slots, and a rejected suffix is "rolled back" by moving the row's length back (its stale
 slots are masked out and overwritten by the next pass). Cache invariant per row: every committed
 token except the last is in the target's cache (and a draft model's).
+
+A step is one pass: the prefill (target and draft prompt passes together), then per round each of a
+draft model's gamma passes (n-gram drafts need none), then the target's verification pass.
 """
 import torch
 
-from kstep.decoding.drafters import ModelDrafter, NgramDrafter
+from kstep.decoding.base import DecodeBatch, Decoder
+from kstep.decoding.drafters import NGRAM, ModelDrafter, NgramDrafter
 from kstep.decoding.sampling import sample_tokens, sampling_probs, suppress_stop_tokens
+from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
 
@@ -48,14 +53,16 @@ def accept_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[to
     return num_kept, best.gather(1, num_kept[:, None]).squeeze(-1)
 
 
-class SpeculativeDecoder:
-    """Decodes left-padded prompts (B, P) with the target on `runner` and drafts from `draft_runner`'s
-    model, or from n-gram lookup when it is None. `next_pass` gets the drafts itself and returns the
-    target's verification pass."""
+class SpeculativeDecoder(Decoder):
+    """Decodes left-padded prompts (B, P) with the target on `runner` and drafts from `draft`: a draft
+    model's runner, or "ngram" (lookup, no model)."""
 
-    def __init__(self, runner: ModelRunner, draft_runner: ModelRunner | None, prompts: torch.Tensor,
-                 key_mask: torch.Tensor | None, params: GenerationParams, stop_ids: torch.Tensor, pad_id: int,
-                 generator: torch.Generator | None):
+    def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
+                 draft: ModelRunner | str | None):
+        if draft is None:
+            raise ValueError("num_draft_tokens > 0 needs a draft model (kstep.load(..., draft=...), --draft)")
+        prompts, key_mask, stop_ids = batch.prompts, batch.key_mask, batch.stop_ids
+        pad_id, generator = batch.pad_id, batch.generator
         self.runner, self.params, self.generator = runner, params, generator
         self.prompts, self.key_mask, self.pad_id = prompts, key_mask, pad_id
         self.stop_ids = set(stop_ids.tolist()) if not params.ignore_eos else set()
@@ -70,15 +77,16 @@ class SpeculativeDecoder:
             self.positions = positions_from_padding(key_mask)
         else:
             self.positions = torch.arange(P, device=prompts.device).expand(B, -1)
-        if draft_runner is None:
+        if draft == NGRAM:
             rows = prompts.tolist() if key_mask is None else [p[m].tolist() for p, m in zip(prompts, key_mask)]
             self.drafter = NgramDrafter(rows, runner.model.cfg.vocab_size, params, prompts.device)
         else:
-            self.drafter = ModelDrafter(draft_runner, prompts, self.positions, key_mask, self.real, params,
+            self.drafter = ModelDrafter(draft, prompts, self.positions, key_mask, self.real, params,
                                         stop_ids, generator)
+        self.phase = "prefill"  # -> ("draft" ->) "verify" -> ...
         self.out: list[list[int]] = [[] for _ in range(B)]
         self.row_finished = [False] * B
-        self.row_nfe = torch.zeros(B, dtype=torch.long)
+        self.row_nfe = [0] * B
         self.nfe, self.is_finished = 0, False
         self.num_proposed, self.num_kept = 0, 0
         self.drafts: torch.Tensor | None = None
@@ -92,21 +100,32 @@ class SpeculativeDecoder:
 
     # --- passes -----------------------------------------------------------------------------------
 
-    def next_pass(self) -> ForwardPass | None:
+    def next_passes(self) -> list[ForwardPass]:
         if self.is_finished:
-            return None
+            return []
+        if self.phase == "prefill":  # the prompt into both caches; the target's pass picks token 1
+            target = self.runner.causal_pass(self.prompts, self.positions, self.key_mask, 0, self.kv)
+            return [self.drafter.prefill_pass(), target] if isinstance(self.drafter, ModelDrafter) else [target]
+        if self.phase == "draft":
+            return [self.drafter.next_pass()]
+        if isinstance(self.drafter, NgramDrafter):
+            self.drafts, self.draft_probs = self.drafter.propose(self.out, self.gamma)
         P = self.prompts.shape[1]
-        if self.nfe == 0:  # prefill (target and draft) with the prompt; the target's pass picks token 1
-            self.drafter.prefill()
-            return self.runner.causal_pass(self.prompts, self.positions, self.key_mask, 0, self.kv)
-        self.drafts, self.draft_probs = self.drafter.propose(self.out, self.gamma)
         g = torch.tensor([len(o) for o in self.out], device=self.prompts.device)
         ids = torch.cat([self._last_committed(), self.drafts], 1)  # (B, g + 1), g <= gamma
         positions = self.positions[:, -1:] + g[:, None] + torch.arange(ids.shape[1], device=ids.device)
-        return self.runner.ragged_causal_pass(ids, positions, P + g - 1, self.real, self.kv)
+        return [self.runner.ragged_causal_pass(ids, positions, P + g - 1, self.real, self.kv)]
 
-    def update(self, logits: torch.Tensor) -> None:
-        """Prefill: sample the first token from (B, 1, V). Otherwise verify: (B, g + 1, V)."""
+    def update(self, logits: list[torch.Tensor]) -> StepOutput:
+        """Prefill: sample the first token from the target's (B, 1, V). A draft pass: the drafter
+        samples its next proposal. Verify: (B, g + 1, V)."""
+        if self.phase == "draft":
+            self.drafter.absorb(logits[0])
+            if self.drafter.is_done:
+                self.drafts, self.draft_probs = self.drafter.result()
+                self.phase = "verify"
+            return self._output([[] for _ in self.out])
+        logits = logits[-1]
         p = self.params
         self.nfe += 1
         if p.min_tokens:
@@ -126,12 +145,15 @@ class SpeculativeDecoder:
             live = [not f for f in self.row_finished]
             self.num_proposed += self.drafts.shape[1] * sum(live)
             self.num_kept += sum(k for k, alive in zip(num_kept, live, strict=True) if alive)
+        committed = []
         for b, tokens in enumerate(new):
+            committed.append([])
             if self.row_finished[b]:
                 continue
             self.row_nfe[b] += 1
             for token in tokens:
                 self.out[b].append(token)
+                committed[b].append(token)
                 if token in self.stop_ids or len(self.out[b]) == p.max_tokens:
                     self.row_finished[b] = True
                     break
@@ -139,17 +161,16 @@ class SpeculativeDecoder:
         if all(self.row_finished):
             self.is_finished, self.kv = True, None
             self.drafter.release()
+        elif isinstance(self.drafter, ModelDrafter):
+            self.drafter.start(self.out, self.gamma)
+            self.phase = "draft"
+        else:
+            self.phase = "verify"
+        return self._output(committed)
 
-    # --- results ------------------------------------------------------------------------------------
-
-    @property
-    def completions(self) -> torch.Tensor:
-        width = max(len(o) for o in self.out)
-        rows = [o + [self.pad_id] * (width - len(o)) for o in self.out]
-        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), width)
-
-    def committed_lengths(self) -> list[int]:
-        return [len(o) for o in self.out]
+    def _output(self, committed: list[list[int]]) -> StepOutput:
+        return StepOutput(committed, [len(o) for o in self.out], list(self.row_finished), list(self.row_nfe),
+                          self.nfe, self.is_finished)
 
     def stats(self) -> dict[str, float]:
         return {"acceptance_rate": self.num_kept / self.num_proposed if self.num_proposed else 0.0,

@@ -1,12 +1,19 @@
-"""Unmask rules: the confidence score that decides which masked positions are unmasked first.
+"""What a diffusion step unmasks: the confidence rule that ranks the masked positions, and the
+unmask policy that decides how many of them to unmask.
 
-`low_confidence` and `random` are LLaDA's remasking strategies (`generate.py`); `margin` and
-`entropy` are Dream's `topk_margin` and `entropy` algorithms (top-1 minus top-2 probability,
-negative entropy). Higher confidence is unmasked first.
+Confidence rules: `low_confidence` and `random` are LLaDA's remasking strategies (`generate.py`);
+`margin` and `entropy` are Dream's `topk_margin` and `entropy` algorithms (top-1 minus top-2
+probability, negative entropy). Higher confidence is unmasked first.
+
+Policies (one strategy each, built from the `UnmaskPolicy` that params resolution chose): the
+fixed linear schedule, Fast-dLLM's confidence threshold, Fast-dLLM's factor rule.
 """
 from collections.abc import Callable
 
 import torch
+
+from kstep.decoding.schedule import num_transfer_tokens
+from kstep.params import REMASKING_RULES, UnmaskPolicy
 
 ConfidenceRule = Callable[[torch.Tensor, torch.Tensor, torch.Generator | None], torch.Tensor]
 
@@ -30,9 +37,8 @@ def entropy(logits, candidates, generator):
     return (logp.exp() * logp).sum(-1)  # negative entropy, (B, T)
 
 
-UNMASK_RULES: dict[str, ConfidenceRule] = {
-    "low_confidence": low_confidence, "random": random_confidence, "margin": margin, "entropy": entropy,
-}
+UNMASK_RULES: dict[str, ConfidenceRule] = dict(zip(REMASKING_RULES, (low_confidence, random_confidence, margin,
+                                                                       entropy), strict=True))
 
 
 def confidence_rule(name: str) -> ConfidenceRule:
@@ -72,3 +78,41 @@ def choose_factor(confidence: torch.Tensor, factor: float) -> torch.Tensor:
     first_fail = torch.where(fails.any(-1, keepdim=True), fails.float().argmax(-1, keepdim=True), num_masked)
     count = torch.where(first_fail >= num_masked - 1, num_masked, first_fail).squeeze(-1)  # (B,)
     return choose_top(confidence, count, confidence.shape[-1])
+
+
+# --- The policies as strategies: choose(confidence, step_idx) -> (B, T) bool ----------------------
+
+class FixedSchedule:
+    """LLaDA's linear schedule: the block's masks split evenly over its `value` steps (schedule.py)."""
+
+    def __init__(self, steps_per_block: int, block_length: int):
+        self.counts = num_transfer_tokens(torch.tensor([block_length]), steps_per_block)[0].tolist()
+
+    def choose(self, confidence: torch.Tensor, step_idx: int) -> torch.Tensor:
+        k = self.counts[min(step_idx, len(self.counts) - 1)]
+        return choose_top(confidence, torch.full((confidence.shape[0],), k, device=confidence.device), k)
+
+
+class ThresholdPolicy:
+    def __init__(self, threshold: float, block_length: int):
+        self.threshold = threshold
+
+    def choose(self, confidence: torch.Tensor, step_idx: int) -> torch.Tensor:
+        return choose_threshold(confidence, self.threshold)
+
+
+class FactorPolicy:
+    def __init__(self, factor: float, block_length: int):
+        self.factor = factor
+
+    def choose(self, confidence: torch.Tensor, step_idx: int) -> torch.Tensor:
+        return choose_factor(confidence, self.factor)
+
+
+POLICIES = {"fixed": FixedSchedule, "threshold": ThresholdPolicy, "factor": FactorPolicy}
+
+
+def make_policy(spec: UnmaskPolicy, block_length: int) -> FixedSchedule | ThresholdPolicy | FactorPolicy:
+    """The strategy for a resolved params' unmask policy."""
+    value = int(spec.value) if spec.kind == "fixed" else spec.value
+    return POLICIES[spec.kind](value, block_length)

@@ -87,6 +87,5 @@ class AsyncEngine:
         for request in list(self.engine.scheduler.running):
             self.engine.scheduler.finish(request)
             self.engine.streams.pop(request.request_id, None)
-            request.decoder = None
             outputs.append(RequestOutput(request.request_id, [], 0, is_finished=True, error=message))
         return outputs

@@ -1,27 +1,33 @@
 """The engine step: schedule -> one packed forward pass for every running request -> each
-request's decoder updates -> outputs (committed text deltas) per request.
+request's decoder updates -> the scheduler records the step outputs -> outputs (committed text
+deltas) per request.
 
 Requests with different prompts, lengths, settings and even decoding stages (a diffusion block's
-full pass, a cached window pass, an AR decode) share the pass: the runner packs their tokens,
-reads the weights once, and keeps attention per request, so a request's output does not depend
-on its neighbours. Requests join at any step and leave when done (continuous batching).
+full pass, a cached window pass, an AR decode, a draft model's pass) share the step: the runner
+packs their tokens (one pass per model), reads the weights once, and keeps attention per request,
+so a request's output does not depend on its neighbours. Requests join at any step and leave when
+done (continuous batching).
 """
 import time
 from dataclasses import dataclass
 
 import torch
 
-from kstep.engine.prefix_cache import PrefixCache
 from kstep.engine.request import ChoiceDelta, Request, RequestOutput
 from kstep.engine.scheduler import Scheduler
 from kstep.engine.text_stream import TextStream, render_canvas
 from kstep.llm import LLM
+from kstep.outputs import StepOutput
+from kstep.registry import make_decoder
+from kstep.runner.model_runner import execute_passes
+from kstep.runner.prefix_cache import PrefixCache
 
 
 @dataclass(slots=True)
 class StepStats:
-    batch_size: int              # requests in the pass
-    num_tokens: int              # tokens run through the model
+    batch_size: int              # requests in the step
+    num_passes: int              # packed forward passes (one per model that had work: target, draft)
+    num_tokens: int              # tokens run through the models
     seconds: float
     num_committed: int           # tokens newly committed across the batch
 
@@ -34,7 +40,9 @@ class Engine:
         self.streams: dict[str, list[TextStream]] = {}
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (raises QueueFull). Prompts must already be encoded and validated."""
+        """Queue a request (raises QueueFull, or ValueError for params this model cannot run).
+        Prompts must already be encoded and validated."""
+        request.params = self.llm.resolve(request.params)
         self.scheduler.add(request)
 
     def abort(self, request_id: str) -> None:
@@ -43,10 +51,30 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    @torch.inference_mode()  # the decoders' own tensor work too, not only the forward pass
+    def step(self) -> tuple[list[RequestOutput], StepStats | None]:
+        batch, admitted = self.scheduler.schedule()
+        outputs = [out for r in admitted if (out := self._admit(r)) is not None]
+        batch = [r for r in batch if r.decoder is not None]
+        self._drop_streams_of_aborted(batch)
+        if not batch:
+            return outputs, None
+        start = time.perf_counter()
+        passes = [r.decoder.next_passes() for r in batch]
+        flat = [p for request_passes in passes for p in request_passes]
+        logits = iter(execute_passes(flat))
+        step_outputs = [r.decoder.update([next(logits) for _ in ps]) for r, ps in zip(batch, passes, strict=True)]
+        self.scheduler.update(batch, step_outputs)
+        outputs += [self._output(r, out) for r, out in zip(batch, step_outputs, strict=True)]
+        stats = StepStats(len(batch), len({id(p.runner) for p in flat}), sum(p.num_tokens for p in flat),
+                          time.perf_counter() - start, sum(out.num_committed for out in step_outputs))
+        return outputs, stats
+
     def _admit(self, request: Request) -> RequestOutput | None:
         """Create the request's decoder (allocates its KV cache); a failure fails only this request."""
         try:
-            request.decoder = self.llm.make_decoder(request.rows, request.params, self.prefix_cache)
+            request.decoder = make_decoder(self.llm, request.rows, request.params, self.prefix_cache,
+                                           request.include_canvas)
         except (ValueError, RuntimeError) as e:  # e.g. out of memory for its cache
             self.scheduler.finish(request)
             return RequestOutput(request.request_id, [], 0, is_finished=True, error=str(e))
@@ -54,50 +82,26 @@ class Engine:
                                             for _ in range(request.num_rows)]
         return None
 
-    @torch.inference_mode()  # the decoders' own tensor work too, not only the forward pass
-    def step(self) -> tuple[list[RequestOutput], StepStats | None]:
-        batch, admitted = self.scheduler.schedule()
-        outputs = [out for r in admitted if (out := self._admit(r)) is not None]
-        batch = [r for r in batch if r.decoder is not None]
-        for request in list(self.streams):
-            if not any(r.request_id == request for r in batch):
-                self.streams.pop(request)  # aborted: its decoder and KV cache go with it
-        if not batch:
-            return outputs, None
-        start = time.perf_counter()
-        passes = [r.decoder.next_pass() for r in batch]
-        logits = self.llm.runner.execute(passes)
-        num_committed = 0
-        for request, request_logits in zip(batch, logits, strict=True):
-            request.decoder.update(request_logits)
-            out = self._output(request)
-            num_committed += sum(len(c.token_ids) for c in out.choices)
-            outputs.append(out)
-            if out.is_finished:
-                self.scheduler.finish(request)
-                self.streams.pop(request.request_id, None)
-                request.decoder = None
-        stats = StepStats(len(batch), sum(p.num_tokens for p in passes), time.perf_counter() - start, num_committed)
-        return outputs, stats
+    def _drop_streams_of_aborted(self, batch: list[Request]) -> None:
+        running = {r.request_id for r in batch}
+        for request_id in [r for r in self.streams if r not in running]:
+            self.streams.pop(request_id)
 
-    def _output(self, request: Request) -> RequestOutput:
-        decoder, streams = request.decoder, self.streams[request.request_id]
-        lengths = decoder.committed_lengths()
-        completions = decoder.completions
-        rows = completions.tolist() if request.include_canvas else None
+    def _output(self, request: Request, out: StepOutput) -> RequestOutput:
+        streams = self.streams[request.request_id]
         choices = []
-        for index, (stream, length) in enumerate(zip(streams, lengths, strict=True)):
+        for index, (stream, committed) in enumerate(zip(streams, request.output_ids, strict=True)):
             if stream.finish_reason is not None:
                 continue
-            committed = completions[index, :length].tolist()
-            text, ids = stream.update(committed, decoder.is_finished)
+            text, ids = stream.update(committed, request.is_finished)
             canvas = None
-            if rows is not None:
-                canvas = render_canvas(self.llm.tokenizer, rows[index], self.llm.cfg.mask_token_id)
+            if out.canvas is not None:
+                canvas = render_canvas(self.llm.tokenizer, out.canvas[index], self.llm.cfg.mask_token_id)
             if text or ids or stream.finish_reason or canvas is not None:
                 choices.append(ChoiceDelta(index, text, ids, stream.finish_reason, canvas))
-        is_finished = all(s.finish_reason is not None for s in streams)
-        return RequestOutput(request.request_id, choices, decoder.nfe, is_finished,
+        if request.is_finished:
+            self.streams.pop(request.request_id, None)
+        return RequestOutput(request.request_id, choices, request.nfe, request.is_finished,
                              prompt_tokens=sum(len(p) for p in request.prompts) * request.n,
                              completion_tokens=sum(s.num_tokens for s in streams))
 

@@ -1,9 +1,11 @@
-"""A request's life in the engine, and what each engine step reports about it."""
+"""A request's life in the engine, and what each engine step reports about it. Plain Python, no
+torch: the decoder is opaque here, and the committed tokens arrive as `StepOutput`s."""
 import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 
 _ids = itertools.count()
@@ -11,7 +13,8 @@ _ids = itertools.count()
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """`prompts` (encoded) x `n` rows decode together as one canvas batch: row i is prompt i // n."""
+    """`prompts` (encoded) x `n` rows decode together as one canvas batch: row i is prompt i // n.
+    `params` arrive resolved for the served model (GenerationParams.resolve, at the edge)."""
     prompts: list[list[int]]
     params: GenerationParams
     n: int = 1
@@ -19,8 +22,20 @@ class Request:
     include_canvas: bool = False
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival_time: float = field(default_factory=time.monotonic)
-    decoder: Any = None              # created when the scheduler admits the request
+    decoder: Any = None              # created when the request is admitted; dropped when it finishes
     is_aborted: bool = False
+    is_finished: bool = False
+    output_ids: list[list[int]] = field(default_factory=list)  # per row, the committed tokens so far
+    nfe: int = 0                     # the request's forward passes so far
+
+    def append(self, out: StepOutput) -> None:
+        """Record one step of the request's decoder."""
+        if not self.output_ids:
+            self.output_ids = [[] for _ in out.new_token_ids]
+        for row, new in zip(self.output_ids, out.new_token_ids, strict=True):
+            row.extend(new)
+        self.nfe = out.nfe
+        self.is_finished = out.is_finished
 
     @property
     def num_rows(self) -> int:

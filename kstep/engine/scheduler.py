@@ -1,9 +1,10 @@
-"""FCFS admission with a maximum batch and a bounded queue. Plain Python, no torch: it only
-decides which requests take part in the next step."""
+"""FCFS admission with a maximum batch and a bounded queue. Plain Python, no torch: it decides
+which requests take part in the next step, and records what each step committed."""
 import threading
 from collections import deque
 
 from kstep.engine.request import Request
+from kstep.outputs import StepOutput
 
 
 class QueueFull(Exception):
@@ -45,7 +46,16 @@ class Scheduler:
                 self.running.append(admitted[-1])
             return list(self.running), admitted
 
+    def update(self, batch: list[Request], outputs: list[StepOutput]) -> None:
+        """Record each request's step; a finished request leaves the batch and drops its decoder."""
+        for request, out in zip(batch, outputs, strict=True):
+            request.append(out)
+            if request.is_finished:
+                self.finish(request)
+
     def finish(self, request: Request) -> None:
+        """Take a request out of the batch (done, or failed); its decoder and caches go with it."""
+        request.decoder = None
         with self._lock:
             if request in self.running:
                 self.running.remove(request)

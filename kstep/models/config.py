@@ -1,11 +1,13 @@
 """The one architecture description every family's config.json is translated into."""
 from dataclasses import dataclass, field
 
+ATTENTION_MODES = ("causal", "bidirectional")
+
 
 @dataclass(slots=True)
 class ModelConfig:
-    family: str                      # registry name: "llada", "llama", "qwen2"
-    is_causal: bool                  # AR (causal) or masked diffusion (bidirectional)
+    family: str                      # registry name (kstep/registry.py): "llada", "llama", "qwen2", "dream"
+    attention: str                   # "causal" or "bidirectional": how positions attend (the registry's)
     vocab_size: int                  # ids the tokenizer can produce; logits are cut to this
     embedding_size: int              # rows of the embedding / LM head (LLaDA pads it)
     d_model: int
@@ -37,8 +39,12 @@ class ModelConfig:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.embedding_size < self.vocab_size:
             raise ValueError(f"embedding_size ({self.embedding_size}) is smaller than vocab_size ({self.vocab_size})")
-        if not self.is_causal and self.mask_token_id is None:
-            raise ValueError("a diffusion model needs a mask_token_id")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention {self.attention!r} is not one of {', '.join(ATTENTION_MODES)}")
+
+    @property
+    def is_causal(self) -> bool:
+        return self.attention == "causal"
 
     @property
     def num_params(self) -> int:

@@ -6,24 +6,20 @@ projection; `model.transformer.ff_out` is the untied LM head).
 """
 from kstep.models.config import ModelConfig
 
-FAMILY = "llada"
-ARCHITECTURES = ("LLaDAModelLM",)
-MODEL_TYPES = ("llada",)
-
 # Settings of the OLMo config that kstep's blocks do not implement, with the value they must have.
 _REQUIRED = {"block_type": ("llama",), "activation_type": ("silu",), "layer_norm_type": ("rms",),
              "alibi": (False,), "rope": (True,), "attention_layer_norm": (False,),
              "multi_query_attention": (None, False)}
 
 
-def parse_config(raw: dict) -> ModelConfig:
+def parse_config(raw: dict, family: str, attention: str) -> ModelConfig:
     for key, allowed in _REQUIRED.items():
         if key in raw and raw[key] not in allowed:
             raise ValueError(f"config.json: {key}={raw[key]!r} is not supported (expected {allowed[0]!r})")
     d_model, n_heads = raw["d_model"], raw["n_heads"]
     eos = raw.get("eos_token_id")
     return ModelConfig(
-        family=FAMILY, is_causal=False,
+        family=family, attention=attention,
         vocab_size=raw["vocab_size"], embedding_size=raw.get("embedding_size") or raw["vocab_size"],
         d_model=d_model, n_layers=raw["n_layers"], n_heads=n_heads,
         n_kv_heads=raw.get("n_kv_heads") or n_heads, head_dim=d_model // n_heads,
@@ -46,7 +42,7 @@ def to_raw_config(cfg: ModelConfig) -> dict:
     if cfg.qkv_bias or cfg.out_bias or cfg.mlp_bias or cfg.embed_scale != 1.0 or cfg.logits_scale != 1.0:
         raise ValueError("kstep writes LLaDA checkpoints without biases or embedding/logit scaling")
     return {
-        "architectures": list(ARCHITECTURES), "model_type": "llada",
+        "architectures": ["LLaDAModelLM"], "model_type": "llada",
         "d_model": cfg.d_model, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "n_layers": cfg.n_layers,
         "mlp_hidden_size": cfg.ffn_dim, "mlp_ratio": cfg.ffn_dim // cfg.d_model,
         "vocab_size": cfg.vocab_size, "embedding_size": cfg.embedding_size,

@@ -2,10 +2,6 @@
 `Qwen2ForCausalLM` layouts. Qwen2 is LLaMA with q/k/v biases."""
 from kstep.models.config import ModelConfig
 
-FAMILY = "llama"
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-MODEL_TYPES = ("llama", "qwen2")
-
 
 def _rope(raw: dict) -> tuple[float, dict | None]:
     # transformers >= 5 nests theta and scaling in `rope_parameters`; older configs use top-level keys.
@@ -22,8 +18,9 @@ def _ids(value) -> list[int]:
     return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 
-def parse_config(raw: dict) -> ModelConfig:
-    is_qwen2 = raw.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in raw.get("architectures", [])
+def parse_config(raw: dict, family: str, attention: str) -> ModelConfig:
+    """Also Qwen2-named layouts (family "qwen2", "dream"): LLaMA with q/k/v biases."""
+    is_qwen2 = family != "llama"
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act={raw['hidden_act']!r} is not supported (expected 'silu')")
     if raw.get("use_sliding_window"):
@@ -32,7 +29,7 @@ def parse_config(raw: dict) -> ModelConfig:
     d_model, n_heads = raw["hidden_size"], raw["num_attention_heads"]
     tie = raw.get("tie_word_embeddings", False)
     return ModelConfig(
-        family="qwen2" if is_qwen2 else "llama", is_causal=True,
+        family=family, attention=attention,
         vocab_size=raw["vocab_size"], embedding_size=raw["vocab_size"],
         d_model=d_model, n_layers=raw["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=raw.get("num_key_value_heads") or n_heads, head_dim=raw.get("head_dim") or d_model // n_heads,

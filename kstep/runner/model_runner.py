@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kstep.layers.attention import KVCache, Segment
-from kstep.models import Transformer
+from kstep.models.transformer import Transformer
 
 
 def positions_from_padding(key_mask: torch.Tensor) -> torch.Tensor:
@@ -27,7 +27,8 @@ class ForwardPass:
     mask: torch.Tensor | None        # (b, 1, T|1, S) bool, True = may attend
     logits_from: int                 # logits for the run's positions [logits_from, logits_to)
     logits_to: int
-    kind: str                        # full | window | prefill | decode (timings and metrics)
+    kind: str                        # full | window | prefill | decode | verify (timings and metrics)
+    runner: "ModelRunner"            # the model that runs it (a speculative step's draft passes: the draft's)
     kv: KVCache | None = None
     cache_start: int = 0
     cache_len: int | None = None
@@ -75,8 +76,8 @@ class ModelRunner:
         only `columns` when given: computing the LM head for the positions that can change keeps
         memory from growing with canvas x vocabulary, and its work with what is still masked."""
         mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, L)
-        return ForwardPass(ids, self._positions(key_mask, *ids.shape), mask, logits_from, logits_to, "full", kv,
-                           logits_columns=columns)
+        return ForwardPass(ids, self._positions(key_mask, *ids.shape), mask, logits_from, logits_to, "full", self,
+                           kv, logits_columns=columns)
 
     def window_pass(self, ids: torch.Tensor, key_mask: torch.Tensor | None, start: int, end: int,
                     attend_len: int, num_logits: int, kv: KVCache, columns: torch.Tensor | None = None) -> ForwardPass:
@@ -86,8 +87,8 @@ class ModelRunner:
         Fast-dLLM's prefix cache runs the window [block start, L); its DualCache runs the block alone."""
         mask = None if key_mask is None else key_mask[:, None, None, :attend_len]  # (B, 1, 1, S)
         positions = self._positions(key_mask, *ids.shape)[:, start:end]
-        return ForwardPass(ids[:, start:end], positions, mask, 0, num_logits, "window", kv, start, attend_len,
-                           logits_columns=columns)
+        return ForwardPass(ids[:, start:end], positions, mask, 0, num_logits, "window", self, kv, start,
+                           attend_len, logits_columns=columns)
 
     def causal_pass(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None,
                     cache_start: int, kv: KVCache) -> ForwardPass:
@@ -100,8 +101,8 @@ class ModelRunner:
             # Each query may see itself, so a left-pad query never has an all-masked row (NaN on some kernels).
             itself = causal.triu(cache_start)  # (T, S): the diagonal
             mask = causal if mask is None else (mask & causal) | itself  # (B, 1, T, S)
-        return ForwardPass(ids, positions, mask, T - 1, T, "prefill" if cache_start == 0 or T > 1 else "decode", kv,
-                           cache_start)
+        return ForwardPass(ids, positions, mask, T - 1, T, "prefill" if cache_start == 0 or T > 1 else "decode", self,
+                           kv, cache_start)
 
     def ragged_causal_pass(self, ids: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
                            real: torch.Tensor, kv: KVCache) -> ForwardPass:
@@ -116,7 +117,7 @@ class ModelRunner:
         cached = real[:, :attend_len] & (key < starts[:, None])  # (B, S)
         new = (key[None, None, :] >= starts[:, None, None]) & (key[None, None, :] <= slots[:, :, None])  # (B, T, S)
         mask = (cached[:, None, :] | new)[:, None]  # (B, 1, T, S)
-        return ForwardPass(ids, positions, mask, 0, T, "verify", kv, 0, attend_len, slots)
+        return ForwardPass(ids, positions, mask, 0, T, "verify", self, kv, 0, attend_len, slots)
 
     # --- Execution ---------------------------------------------------------------------------------
 
@@ -145,3 +146,16 @@ class ModelRunner:
     def logits(self, forward_pass: ForwardPass) -> torch.Tensor:
         """One pass alone."""
         return self.execute([forward_pass])[0]
+
+
+def execute_passes(passes: list[ForwardPass]) -> list[torch.Tensor]:
+    """Run passes that may belong to different runners (a target and its draft model): one packed
+    pass per runner; logits in the order of `passes`."""
+    by_runner: dict[int, list[int]] = {}
+    for i, p in enumerate(passes):
+        by_runner.setdefault(id(p.runner), []).append(i)
+    logits: list[torch.Tensor | None] = [None] * len(passes)
+    for indices in by_runner.values():
+        for i, out in zip(indices, passes[indices[0]].runner.execute([passes[i] for i in indices]), strict=True):
+            logits[i] = out
+    return logits

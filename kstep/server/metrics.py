@@ -39,7 +39,7 @@ class Metrics:
                                          buckets=LATENCY_BUCKETS, registry=r)
 
     def observe_step(self, stats: StepStats, engine: Engine) -> None:
-        self.forward_passes.inc()
+        self.forward_passes.inc(stats.num_passes)
         self.step_tokens.observe(stats.num_committed)
         self.step_seconds.observe(stats.seconds)
         self.batch_size.observe(stats.batch_size)

@@ -1,49 +1,53 @@
 """The OpenAI-compatible request bodies (pydantic, at the HTTP edge only) and their translation
 into GenerationParams. Standard fields follow the OpenAI API reference (defaults included:
-temperature 1, top_p 1, completions max_tokens 16); kstep's diffusion knobs are extra fields."""
+temperature 1, top_p 1, completions max_tokens 16) and validate strictly, as OpenAI does: JSON
+types, no coercion (`"n": "2"` is a 400). kstep's own knobs are extra fields, generated from their
+declaration in GenerationParams."""
+import types
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, create_model
 
-from kstep.params import GenerationParams
+from kstep.params import GenerationParams, user_knobs
+
+_STRICT = {int: StrictInt, float: StrictFloat, bool: StrictBool, str: StrictStr}
+
+
+def _strict(annotation):
+    """The strict pydantic type of a knob's annotation (`float | None` -> StrictFloat | None)."""
+    base = next(a for a in annotation.__args__ if a is not type(None)) \
+        if isinstance(annotation, types.UnionType) else annotation
+    return _STRICT[base] | None
+
+
+KSTEP_FIELDS = tuple(f.name for f in user_knobs() if f.metadata["http"])
+# kstep's knobs; None = the server's per-model default, else GenerationParams' default
+KstepFields = create_model("KstepFields", __config__=ConfigDict(extra="ignore"),
+                           **{f.name: (_strict(f.type), None) for f in user_knobs() if f.metadata["http"]})
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    include_canvas: bool = False     # kstep: chunks carry the whole canvas and the step index
-
-
-class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    include_usage: StrictBool = False
+    include_canvas: StrictBool = False     # kstep: chunks carry the whole canvas and the step index
+
+
+class SamplingFields(KstepFields):
+    model: StrictStr
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
     n: StrictInt = Field(default=1, ge=1, le=16)
     seed: StrictInt | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: bool | int | None = None
-    # kstep's knobs (diffusion decoding); None = the server's per-model default
-    top_k: StrictInt | None = None
-    steps: StrictInt | None = None
-    block_length: StrictInt | None = None
-    remasking: str | None = None
-    threshold: float | None = None
-    factor: float | None = None
-    cache: str | None = None
-    exact: bool | None = None           # LLaDA's reference sampler instead of dual cache + threshold
-    cfg_scale: float | None = None
-    early_stop: bool | None = None
-    ignore_eos: bool | None = None
-    min_tokens: StrictInt | None = None         # vLLM's: no stop token among the first min_tokens
-    num_draft_tokens: StrictInt | None = None   # AR with a --draft: speculative tokens per pass (0 = off)
+    user: StrictStr | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logprobs: StrictBool | StrictInt | None = None
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -69,27 +73,25 @@ class SamplingFields(BaseModel):
         fields["temperature"] = 1.0 if self.temperature is None else self.temperature
         if self.top_p is not None and self.top_p < 1:
             fields["top_p"] = self.top_p
-        for name in ("seed", "top_k", "steps", "block_length", "remasking", "threshold", "factor", "cache",
-                     "exact", "cfg_scale", "early_stop", "ignore_eos", "min_tokens",
-                     "num_draft_tokens"):
-            if getattr(self, name) is not None:
-                fields[name] = getattr(self, name)
+        if self.seed is not None:
+            fields["seed"] = self.seed
+        fields.update({name: getattr(self, name) for name in KSTEP_FIELDS if getattr(self, name) is not None})
         if self.exact is None and any(getattr(self, n) is not None for n in ("cache", "threshold", "factor")):
             fields.pop("exact", None)  # a request choosing a cache or policy overrides a server-wide --exact
         return GenerationParams(**fields)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    echo: bool = False
-    suffix: str | None = None
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
+    content: StrictStr | list[dict] | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

@@ -40,7 +40,7 @@ def plot_curves(runs: dict[str, Path], png: Path) -> None:
         ax.plot(tokens, smooth, color=color, label=f"{label}: train loss (mean of {window} steps)")
         held = [(e["tokens"] / 1e6, e["held_out_nll"]) for e in log if "held_out_nll" in e]
         if held:
-            bound = " (ELBO bound)" if not kstep.load(model_dir).cfg.is_causal else ""
+            bound = " (ELBO bound)" if kstep.load(model_dir).is_diffusion else ""
             ax.plot(*zip(*held), "o--", color=color, markersize=4, label=f"{label}: held-out NLL{bound}")
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("nats per token")

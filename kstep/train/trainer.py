@@ -70,7 +70,8 @@ class TrainConfig:
 def model_config(cfg: TrainConfig, vocab_size: int, ids: dict[str, int]) -> ModelConfig:
     is_diffusion = cfg.objective == "diffusion"
     return ModelConfig(
-        family="llada" if is_diffusion else "llama", is_causal=not is_diffusion, vocab_size=vocab_size,
+        family="llada" if is_diffusion else "llama", attention="bidirectional" if is_diffusion else "causal",
+        vocab_size=vocab_size,
         embedding_size=-(-vocab_size // 128) * 128 if is_diffusion else vocab_size, d_model=cfg.d_model,
         n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.d_model // cfg.n_heads,
         ffn_dim=cfg.ffn_dim, norm_eps=1e-5, rope_theta=10000.0, max_positions=cfg.max_positions,

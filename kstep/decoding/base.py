@@ -1,0 +1,83 @@
+"""The decoder contract: what every family's decoder is to the engine and to `LLM.generate`.
+
+A decoder owns one canvas batch (B rows decoded together with the same params) and is a step
+machine: `next_passes()` describes the forward passes its next step needs (each names the runner
+that executes it: the target model, or a speculative draft model), the caller runs them (alone, or
+packed with other requests' passes of the same runner), and `update(logits)` applies the step and
+returns a `StepOutput`. Callers never look inside a decoder.
+"""
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kstep.outputs import StepOutput
+from kstep.runner.model_runner import ForwardPass
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """What a decoder starts from: the prompts left-padded into one batch, and the ids it needs."""
+    prompts: torch.Tensor              # (B, P)
+    key_mask: torch.Tensor | None      # (B, P) True = real token; None when nothing is padded
+    stop_ids: torch.Tensor             # (S,) end-of-sequence ids (at least one entry; -1 when none)
+    pad_id: int
+    mask_id: int | None                # diffusion families
+    generator: torch.Generator | None  # seeded sampling
+    include_canvas: bool = False       # report every position each step (`StepOutput.canvas`)
+
+    @classmethod
+    def from_prompts(cls, rows: list[list[int]], pad_id: int, stop_ids: list[int], mask_id: int | None,
+                     device: torch.device, seed: int | None = None, include_canvas: bool = False) -> "DecodeBatch":
+        width = max(len(ids) for ids in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        key_mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for row, prompt in enumerate(rows):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            key_mask[row, width - len(prompt):] = True
+        has_padding = not bool(key_mask.all())
+        generator = None if seed is None else torch.Generator(device).manual_seed(seed)
+        return cls(ids.to(device), key_mask.to(device) if has_padding else None,
+                   torch.tensor(stop_ids or [-1], device=device), pad_id, mask_id, generator, include_canvas)
+
+    @property
+    def num_rows(self) -> int:
+        return self.prompts.shape[0]
+
+
+class Decoder(ABC):
+    nfe: int = 0                       # forward passes of its own model so far (the batch's)
+    is_finished: bool = False
+
+    @abstractmethod
+    def next_passes(self) -> list[ForwardPass]:
+        """The passes of the next step (empty once finished); independent of each other."""
+
+    @abstractmethod
+    def update(self, logits: list[torch.Tensor]) -> StepOutput:
+        """Apply the step given each pass's logits, in the order `next_passes` returned them."""
+
+    def stats(self) -> dict[str, float]:
+        """Decoder-specific figures for the result's timings (e.g. draft acceptance)."""
+        return {}
+
+
+def leading_unmasked(completions: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """(B, N) -> (B,) length of each row's leading run without masks: what no later step can change."""
+    is_mask = completions == mask_id
+    return torch.where(is_mask.any(-1), is_mask.float().argmax(-1), completions.shape[1])
+
+
+def prefix_step_output(decoder: Decoder, completions: torch.Tensor, committed: list[int], mask_id: int,
+                       stop_ids: torch.Tensor, row_nfe: torch.Tensor, include_canvas: bool) -> StepOutput:
+    """A StepOutput for a canvas decoder: rows commit their leading unmasked run; `committed` (the
+    lengths reported so far) is updated in place. A row is finished once its committed run holds a
+    stop token or fills the canvas."""
+    lengths = leading_unmasked(completions, mask_id).tolist()
+    rows = completions.tolist()
+    new = [row[old:length] for row, old, length in zip(rows, committed, lengths, strict=True)]
+    stops = set(stop_ids.tolist())
+    finished = [length == len(row) or any(t in stops for t in row[:length]) for row, length in zip(rows, lengths)]
+    committed[:] = lengths
+    return StepOutput(new, lengths, finished, row_nfe.tolist(), decoder.nfe, decoder.is_finished,
+                      rows if include_canvas else None)

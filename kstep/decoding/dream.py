@@ -1,0 +1,223 @@
+"""Dream's samplers (Dream-v0, arXiv:2508.15487): the reference `diffusion_generate` (HKUNLP/Dream;
+restated in NVlabs/Fast-dLLM `dream/model/generation_utils.py`) and Fast-dLLM's block sampler
+(`dream/model/generation_utils_block.py`).
+
+Dream keeps its AR parent's logit shift: the token at position j is predicted by the output at
+j - 1, so every pass asks the runner for the rows one to the left of the masked columns.
+
+- `cache="none"` (`--exact`: one block over the whole canvas): Dream's `_sample`, block by block.
+  The schedule runs t from 1 to `eps` over the block's `steps`; each pass unmasks
+  int(masked * (1 - s/t)) of the most confident masks (the last pass: all left), float32 as the
+  reference; `alg_temp` samples them from softmax(confidence / alg_temp) instead. `remasking`:
+  low_confidence = `maskgit_plus`, margin = `topk_margin`, entropy = `entropy`, random = `origin`
+  (each mask revealed with probability 1 - s/t). A threshold is `confidence_threshold`: a quota of
+  masks/steps per pass, the most confident always, the rest only at >= threshold; refused ones are
+  carried to the next pass, and a refusal at the last pass adds one.
+- `cache="prefix" | "dual"`: Fast-dLLM's block sampler. A block starts with a full pass that
+  stores every position's keys/values and commits the block's first token; then window passes
+  against the cache unmask by the threshold rule (the most confident, and all >= threshold) or by
+  the same schedule as above over the block's remaining passes.
+
+Where kstep differs, on purpose: counts are per row (the reference uses the batch mean, equal for
+equal rows); the mask token is never proposed (the reference could write it back); the block
+sampler's fixed schedule scores with the requested `remasking` (the reference always uses entropy
+there); a block sampler needs at least two passes per block (the reference leaves a one-pass block
+masked forever).
+"""
+import torch
+
+from kstep.decoding.base import prefix_step_output
+from kstep.decoding.masked_diffusion import DiffusionDecoder, fill_after_stop
+from kstep.decoding.sampling import suppress_stop_tokens
+from kstep.decoding.unmask import choose_threshold, choose_top
+from kstep.outputs import StepOutput
+from kstep.runner.model_runner import ForwardPass
+
+DEFAULT_EPS = 1e-3  # DreamGenerationConfig's eps
+
+
+def dream_scores(logits: torch.Tensor, params, mask_id: int, generator: torch.Generator | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dream's `sample_tokens` on (..., V) logits -> (tokens, confidence): temperature, then top-p, then
+    top-k (filtered logits at the dtype's minimum), softmax; argmax at temperature 0 else a sample;
+    confidence the token's probability, or top-1 minus top-2 (`margin`), or negative entropy."""
+    p = params
+    if p.temperature > 0:
+        logits = logits / p.temperature
+    lowest = torch.finfo(logits.dtype).min
+    if p.top_p is not None and p.top_p < 1:
+        ordered, order = logits.sort(-1, descending=True)
+        beyond = ordered.softmax(-1).cumsum(-1) > p.top_p
+        beyond[..., 1:] = beyond[..., :-1].clone()  # keep the token that crosses top_p
+        beyond[..., 0] = False
+        logits = logits.masked_fill(torch.zeros_like(beyond).scatter(-1, order, beyond), lowest)
+    if p.top_k is not None:
+        kth = logits.topk(min(p.top_k, logits.shape[-1]), -1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, lowest)
+    probs = logits.softmax(-1)  # (..., V)
+    proposal = probs.clone()
+    proposal[..., mask_id] = 0  # a masked position must become a token
+    if p.temperature > 0:
+        flat = proposal.reshape(-1, proposal.shape[-1])
+        tokens = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    else:
+        tokens = proposal.argmax(-1)
+    if p.remasking == "margin":
+        top2 = probs.topk(2, -1).values
+        confidence = top2[..., 0] - top2[..., 1]
+    elif p.remasking == "entropy":
+        confidence = (probs * (probs + 1e-10).log()).sum(-1)
+    else:
+        confidence = probs.gather(-1, tokens[..., None]).squeeze(-1)
+    return tokens, confidence
+
+
+class DreamDecoder(DiffusionDecoder):
+    """Decodes one canvas batch, block by block; the canvas, caches, early stop and outputs are the
+    masked-diffusion decoder's, the step is Dream's."""
+
+    def __init__(self, runner, batch, params):
+        super().__init__(runner, batch, params)
+        p = self.params
+        self.steps_per_block = p.steps // p.num_blocks
+        self.is_block_sampler = p.cache != "none"
+        if self.is_block_sampler and p.policy.kind == "fixed" and self.steps_per_block < 2:
+            raise ValueError(f"steps ({p.steps}) gives {self.steps_per_block} pass per block: Dream's block sampler "
+                             "needs at least 2 (its first pass commits one token)")
+        if p.policy.kind == "factor":
+            raise ValueError("factor is Fast-dLLM's rule for LLaDA: a Dream model takes steps or a threshold")
+        eps = DEFAULT_EPS if p.eps is None else p.eps
+        self.timesteps = torch.linspace(1, eps, self.steps_per_block + 1)  # float32, as the reference
+        B = self.canvas.shape[0]
+        device = self.canvas.device
+        self.is_quota = not self.is_block_sampler and p.policy.kind == "threshold"
+        if self.is_quota:  # the full-canvas confidence_threshold schedule
+            if p.block_length % self.steps_per_block:
+                raise ValueError(f"a threshold without a cache is Dream's confidence_threshold: block_length "
+                                 f"({p.block_length}) must be a multiple of the steps per block ({self.steps_per_block})")
+        self._start_block(B, device)
+
+    def _start_block(self, B: int, device: torch.device) -> None:
+        self.carry = torch.zeros(B, dtype=torch.long, device=device)
+        self.quota = torch.full((B,), self.params.block_length // self.steps_per_block, dtype=torch.long, device=device)
+        self.live_steps = torch.full((B,), self.steps_per_block, dtype=torch.long, device=device)
+
+    def next_passes(self) -> list[ForwardPass]:
+        """Logits for the rows left of the block's masked columns (the shift); at a block-sampler
+        block start, only for the block's first column."""
+        if self.is_finished:
+            return []
+        (start, end), L, cache = self.block, self.canvas.shape[1], self.params.cache
+        self.columns = (self.canvas[:, start:end] == self.mask_id).any(0).nonzero().squeeze(1)  # (t,)
+        if not self.is_block_sampler:
+            return [self.runner.full_pass(self.canvas, self.key_mask, start - 1, end - 1, None, self.columns)]
+        if self.step_idx == 0:
+            self.columns = self.columns[:1] * 0  # only the first column: the pass commits it
+            return [self.runner.full_pass(self.canvas, self.key_mask, start - 1, start, self.kv)]
+        # The block's first column is committed by the block-start pass, so window row k - 1 serves column k.
+        self.columns = self.columns[self.columns > 0]
+        window_end = L if cache == "prefix" else end
+        return [self.runner.window_pass(self.canvas, self.key_mask, start, window_end, L, end - start - 1, self.kv,
+                                        self.columns - 1)]
+
+    def update(self, logits: list[torch.Tensor]) -> StepOutput:
+        p = self.params
+        [logits] = logits  # (B, t, V)
+        start, end = self.block
+        block = self.canvas[:, start:end]
+        columns = self.columns
+        if p.min_tokens:
+            logits = suppress_stop_tokens(logits, self.stop_ids, (start - self.prompt_len + columns)[None],
+                                          p.min_tokens)
+        tokens, scores = dream_scores(logits, p, self.mask_id, self.generator)  # (B, t) each
+        candidates = torch.zeros_like(block).index_copy_(1, columns, tokens)
+        confidence = torch.full(block.shape, float("-inf"), dtype=scores.dtype, device=block.device)
+        confidence.index_copy_(1, columns, scores)
+        is_masked = block == self.mask_id
+        confidence = confidence.masked_fill(~is_masked, float("-inf"))
+        if self.is_block_sampler and self.step_idx == 0:
+            chosen = torch.zeros_like(is_masked)
+            chosen[:, 0] = True  # Fast-dLLM: the block-start pass commits the block's first token
+        elif p.policy.kind == "threshold" and self.is_block_sampler:
+            chosen = choose_threshold(confidence, p.policy.value)
+        elif self.is_quota:
+            chosen = self._choose_quota(confidence)
+        else:
+            chosen = self._choose_scheduled(confidence, is_masked)
+        chosen &= is_masked
+        block.copy_(torch.where(chosen, candidates, block))
+        self.row_nfe += is_masked.any(-1)  # a pass that unmasks nothing is still one the row needs
+        self.step_idx, self.nfe = self.step_idx + 1, self.nfe + 1
+        if p.early_stop and not p.ignore_eos:
+            fill_after_stop(self.completions, self.stop_ids, self.mask_id)
+        self._advance()
+        return self._output()
+
+    def _choose_scheduled(self, confidence: torch.Tensor, is_masked: torch.Tensor) -> torch.Tensor:
+        """The linear-in-t schedule: int(masked * (1 - s/t)) per row, all at the last pass; `random`
+        (Dream's `origin`) reveals each mask with probability 1 - s/t instead."""
+        p, i = self.params, self.step_idx
+        is_last = i >= self.steps_per_block - 1
+        t, s = self.timesteps[min(i, self.steps_per_block - 1)], self.timesteps[min(i + 1, self.steps_per_block)]
+        fraction = 1 - s / t  # float32, as the reference
+        num_masked = is_masked.sum(-1)  # (B,)
+        if p.remasking == "random":
+            if is_last:
+                return is_masked
+            u = torch.rand(is_masked.shape, generator=self.generator, device=is_masked.device)
+            return is_masked & (u < fraction.to(is_masked.device))
+        counts = num_masked if is_last else (num_masked.float() * fraction.to(num_masked.device)).long()
+        if p.alg_temp:
+            return self._sample_positions(confidence, counts)
+        return self._top(confidence, counts)
+
+    def _top(self, confidence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The `counts[b]` most confident of each row, ranked over the reference's layout (the whole
+        canvas without a cache; the window with one), so ties (common once top-p/top-k leave a single
+        token) break as torch.topk breaks them there."""
+        start, end = self.block
+        L = self.canvas.shape[1]
+        left, right = (start, L - end) if not self.is_block_sampler else \
+            (0, L - end if self.params.cache == "prefix" else 0)
+        padded = torch.nn.functional.pad(confidence, (left, right), value=float("-inf"))
+        return choose_top(padded, counts, int(counts.max()))[:, left:left + confidence.shape[1]]
+
+    def _sample_positions(self, confidence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Dream's alg_temp: `counts[b]` positions drawn without replacement from softmax(conf / alg_temp)."""
+        chosen = torch.zeros_like(confidence, dtype=torch.bool)
+        weights = (confidence / self.params.alg_temp).softmax(-1)
+        for row, count in enumerate(counts.tolist()):  # counts differ per row; alg_temp is a rare setting
+            if count > 0:
+                chosen[row, torch.multinomial(weights[row], count, generator=self.generator)] = True
+        return chosen
+
+    def _choose_quota(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Dream's confidence_threshold: quota + carry of the most confident masks; beyond the first,
+        only those at >= threshold; refusals carry over, and one at the last pass adds a pass."""
+        counts = self.quota + self.carry  # (B,)
+        offered = self._top(confidence, counts)
+        best = torch.zeros_like(offered).scatter_(-1, confidence.argmax(-1, keepdim=True), True)
+        chosen = offered & ((confidence >= self.params.policy.value) | best)
+        refused = counts - chosen.sum(-1)
+        at_last = (self.step_idx == self.live_steps - 1) & (refused > 0)
+        self.live_steps += at_last.long()
+        self.quota = torch.where(at_last, 0, self.quota)
+        self.carry = refused
+        return chosen
+
+    def _advance(self) -> None:
+        """Move past every block with no masks left."""
+        block_idx = self.block_idx
+        while self.block_idx < self.params.num_blocks:
+            start, end = self.block
+            if bool((self.canvas[:, start:end] == self.mask_id).any()):
+                break
+            self.block_idx, self.step_idx = self.block_idx + 1, 0
+        if self.block_idx != block_idx:
+            self._start_block(self.canvas.shape[0], self.canvas.device)
+        if self.block_idx == self.params.num_blocks:
+            self.is_finished, self.kv = True, None
+
+    def _output(self) -> StepOutput:
+        return prefix_step_output(self, self.completions, self.committed, self.mask_id, self.stop_ids, self.row_nfe,
+                                  self.include_canvas)

@@ -1,0 +1,44 @@
+"""`kstep eval`: quality at each decoding setting on a prompt set (eval/run.py)."""
+import argparse
+from pathlib import Path
+
+from kstep.flags import add_command, add_device_flags
+
+
+def add_eval(sub) -> None:
+    ev = add_command(sub, "eval", "quality at each decoding setting (K sweep, thresholds, AR) on a prompt set")
+    ev.add_argument("--model", default="default", help="the diffusion model")
+    ev.add_argument("--ar-model", default="default-ar", help="the AR model at the same N")
+    ev.add_argument("--judge", default=None, help="AR model scoring completions (default: --ar-model)")
+    ev.add_argument("--prompts", default=None,
+                    help="JSONL of {prompt[, body]} or HumanEval {task_id, prompt, test, entry_point} "
+                         "(default: the shipped held-out stdlib functions)")
+    ev.add_argument("--num-prompts", type=int, default=None, help="first K prompts (default: all; --quick: 16)")
+    ev.add_argument("--max-tokens", type=int, default=None, help="N (default 128; --quick: 64)")
+    ev.add_argument("--block-length", type=int, default=32)
+    ev.add_argument("--thresholds", default="0.5,0.7,0.9")
+    ev.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
+    ev.add_argument("--quick", action="store_true", help="16 prompts at N = 64: a few minutes on 2 CPU cores")
+    add_device_flags(ev)
+    ev.add_argument("--out", default="out/eval")
+    ev.set_defaults(run=run_eval_command)
+
+
+def run_eval_command(args: argparse.Namespace) -> int:
+    from kstep.bench.prompts import prompt_rows
+    from kstep.eval.run import default_settings, format_table, run_eval
+    n = args.max_tokens or (64 if args.quick else 128)
+    if n <= 0 or args.block_length <= 0 or args.batch_size <= 0:
+        raise ValueError("--max-tokens, --block-length and --batch-size must be positive")
+    try:
+        thresholds = [float(t) for t in args.thresholds.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--thresholds {args.thresholds!r} must be comma-separated numbers") from None
+    if any(not 0 < t <= 1 for t in thresholds):
+        raise ValueError(f"--thresholds {args.thresholds!r}: each must be in (0, 1]")
+    rows = prompt_rows(args.prompts, args.num_prompts or (16 if args.quick else None))
+    settings = default_settings(n, args.block_length, thresholds)
+    result = run_eval(args.model, args.ar_model, args.judge or args.ar_model, rows, n, settings, args.batch_size,
+                      Path(args.out), args.device, args.dtype)
+    print(format_table(result))
+    return 0

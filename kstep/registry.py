@@ -1,0 +1,105 @@
+"""The model families kstep runs: for each, its checkpoint layout (config keys, tensor names), its
+attention mode, its kind of decoding and its decoder. A new family is one entry here, plus a layout
+file in models/ and a decoder in decoding/ (or a reused one).
+
+    family   layout (models/)   attention       kind            decoder (decoding/)
+    llada    llada.py           bidirectional   diffusion       masked_diffusion.DiffusionDecoder
+    dream    dream.py           bidirectional   diffusion       dream.DreamDecoder
+    llama    llama.py           causal          autoregressive  autoregressive (speculative with a draft)
+    qwen2    llama.py           causal          autoregressive  autoregressive (speculative with a draft)
+"""
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from kstep.decoding.autoregressive import AutoregressiveDecoder
+from kstep.decoding.base import DecodeBatch, Decoder
+from kstep.decoding.dream import DreamDecoder
+from kstep.decoding.masked_diffusion import DiffusionDecoder
+from kstep.decoding.speculative import SpeculativeDecoder
+from kstep.models import dream, llada, llama
+from kstep.models.config import ModelConfig
+from kstep.params import AUTOREGRESSIVE, DIFFUSION, GenerationParams
+from kstep.runner.model_runner import ModelRunner
+from kstep.runner.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from kstep.llm import LLM
+
+
+@dataclass(slots=True, frozen=True)
+class DecoderResources:
+    """What a decoder may share with other requests: the AR prefix cache, a speculative drafter
+    (a draft model's runner, or "ngram")."""
+    prefix_cache: PrefixCache | None = None
+    draft: "ModelRunner | str | None" = None
+
+
+DecoderFactory = Callable[[ModelRunner, DecodeBatch, GenerationParams, DecoderResources], Decoder]
+
+
+def autoregressive_decoder(runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
+                           resources: DecoderResources) -> Decoder:
+    """Plain AR decoding, or speculative decoding when the params ask for draft tokens."""
+    if params.num_draft_tokens:
+        return SpeculativeDecoder(runner, batch, params, resources.draft)
+    return AutoregressiveDecoder(runner, batch, params, resources.prefix_cache)
+
+
+@dataclass(slots=True, frozen=True)
+class Family:
+    name: str
+    layout: ModuleType               # parse_config(raw, family, attention), checkpoint_names(cfg), to_raw_config(cfg)
+    attention: str                   # "causal" | "bidirectional"
+    kind: str                        # AUTOREGRESSIVE | DIFFUSION: which generation knobs apply
+    decoder: DecoderFactory
+    architectures: tuple[str, ...]   # config.json `architectures` that select it
+    model_types: tuple[str, ...]     # config.json `model_type` that selects it
+
+    def parse_config(self, raw: dict) -> ModelConfig:
+        cfg = self.layout.parse_config(raw, self.name, self.attention)
+        if self.kind == DIFFUSION and cfg.mask_token_id is None:
+            raise ValueError(f"config.json: a {self.name} (diffusion) checkpoint needs a mask_token_id")
+        return cfg
+
+
+def _diffusion(cls) -> DecoderFactory:
+    return lambda runner, batch, params, resources: cls(runner, batch, params)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llada", llada, "bidirectional", DIFFUSION, _diffusion(DiffusionDecoder), ("LLaDAModelLM",), ("llada",)),
+    Family("dream", dream, "bidirectional", DIFFUSION, _diffusion(DreamDecoder), ("DreamModel",), ("Dream",)),
+    Family("llama", llama, "causal", AUTOREGRESSIVE, autoregressive_decoder, ("LlamaForCausalLM",), ("llama",)),
+    Family("qwen2", llama, "causal", AUTOREGRESSIVE, autoregressive_decoder, ("Qwen2ForCausalLM",), ("qwen2",)),
+)}
+
+
+def family_for(raw: dict) -> Family:
+    """The family of a checkpoint's config.json, chosen by `architectures`, then `model_type`."""
+    for family in FAMILIES.values():
+        if any(a in family.architectures for a in raw.get("architectures") or []):
+            return family
+    for family in FAMILIES.values():
+        if raw.get("model_type") in family.model_types:
+            return family
+    known = sorted(a for f in FAMILIES.values() for a in f.architectures)
+    raise ValueError(f"unknown architecture {raw.get('architectures')} / model_type {raw.get('model_type')!r}"
+                     f" (supported: {', '.join(known)})")
+
+
+def make_decoder(llm: "LLM", rows: list[list[int]], params: GenerationParams,
+                 prefix_cache: PrefixCache | None = None, include_canvas: bool = False) -> Decoder:
+    """The decoder of `llm`'s family for encoded prompts `rows` (left-padded into one batch) under
+    resolved `params`; stepped alone by `LLM.generate`, or with other requests by the engine."""
+    if not params.is_resolved:
+        raise RuntimeError("internal: params reach a decoder resolved (GenerationParams.resolve, at the edge)")
+    llm.check_fits(rows, params)
+    batch = DecodeBatch.from_prompts(rows, llm.pad_id, llm.stop_ids, llm.cfg.mask_token_id, llm.device, params.seed,
+                                     include_canvas)
+    resources = DecoderResources(prefix_cache, llm.draft.runner if hasattr(llm.draft, "runner") else llm.draft)
+    return llm.family.decoder(llm.runner, batch, params, resources)
+
+
+__all__ = ["AUTOREGRESSIVE", "DIFFUSION", "FAMILIES", "DecoderResources", "Family", "family_for", "make_decoder"]
