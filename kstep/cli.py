@@ -76,10 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     from kstep.bench.cli import add_bench
     from kstep.eval.cli import add_eval
     from kstep.server.cli import add_serve
-    from kstep.train.cli import add_train, add_train_report
+    from kstep.train.cli import add_distill, add_train, add_train_report
     parser = argparse.ArgumentParser(prog="kstep", description=__doc__, usage="kstep COMMAND [options] ...")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (add_generate, add_serve, add_eval, add_train, add_train_report, add_bench, add_random_checkpoint):
+    for add in (add_generate, add_serve, add_eval, add_train, add_distill, add_train_report, add_bench,
+                add_random_checkpoint):
         add(sub)
     return parser
 

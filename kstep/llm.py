@@ -16,11 +16,11 @@ from kstep.decoding.drafters import NGRAM
 from kstep.decoding.loop import decode_alone
 from kstep.layers.quantized import quantize_model
 from kstep.outputs import GenerationResult
-from kstep.params import AUTOREGRESSIVE, DIFFUSION, GenerationParams
+from kstep.params import AUTOREGRESSIVE, DIFFUSION, GenerationParams, knob_applies
 from kstep.registry import FAMILIES, make_decoder
 from kstep.runner.model_runner import ModelRunner
 from kstep.tokenizer import Tokenizer, load_tokenizer
-from kstep.weights import load_model
+from kstep.weights import load_model, read_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,6 +54,7 @@ class LLM:
         self.stop_ids = list(dict.fromkeys([*self.cfg.eos_token_ids, *eot]))
         self.pad_id = next(i for i in (self.cfg.pad_token_id, *self.stop_ids, 0) if i is not None
                            and i != self.cfg.mask_token_id)
+        self.checkpoint_defaults = self._checkpoint_defaults()
         # draft: None, "ngram" (lookup in the text itself, no model), or an AR model over the same vocabulary.
         self.draft: LLM | str | None = draft if draft in (None, NGRAM) or isinstance(draft, LLM) else \
             LLM(draft, device, dtype, quantize=quantize)
@@ -62,6 +63,15 @@ class LLM:
                              f"not {self.path.name} ({self.cfg.family})")
         if isinstance(self.draft, LLM):
             self._check_draft(self.draft)
+
+    def _checkpoint_defaults(self) -> dict:
+        """Sampler settings the checkpoint's generation_config.json gives for knobs kstep leaves
+        unset by default (Dream's `eps`, `alg_temp`). Its other keys (e.g. Dream's `steps: 512`,
+        `alg: origin`) are not taken: kstep's defaults (dual cache + threshold) decide those."""
+        path = self.path / "generation_config.json"
+        raw = read_json(path) if path.is_file() else {}
+        return {name: raw[name] for name in ("eps", "alg_temp") if raw.get(name) is not None
+                and knob_applies(name, self.cfg.family, self.family.kind)}
 
     def _check_draft(self, draft: "LLM") -> None:
         """A draft must be an AR model over the same vocabulary: its token ids mean the target's."""
@@ -89,6 +99,9 @@ class LLM:
 
     def resolve(self, params: GenerationParams) -> GenerationParams:
         """`params` resolved for this model's family (raises ValueError naming a bad knob)."""
+        unset = {k: v for k, v in self.checkpoint_defaults.items() if getattr(params, k) is None}
+        if unset and not params.is_resolved:
+            params = replace(params, **unset)
         return params.resolve(self.cfg.family, self.family.kind, has_draft=self.draft is not None)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:

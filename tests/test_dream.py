@@ -199,3 +199,43 @@ def test_seeded_sampling_keeps_the_schedule_and_is_reproducible(llm, knobs):
     assert first.nfe == 6
     assert llm.cfg.mask_token_id not in first.token_ids and len(first.token_ids) <= 16
     assert run(3).token_ids == first.token_ids
+
+
+def test_exact_is_the_whole_canvas_reference_and_the_default_is_the_block_sampler(llm, ref):
+    """`exact` = Dream's own `diffusion_generate` (one block, no cache, a pass per token); the
+    default = Fast-dLLM's block sampler, dual cache, threshold 0.9, blocks of 32."""
+    prompt = prompt_ids(6, 7)
+    expected, _ = dream_generate(ref, torch.tensor([prompt]), max_length=len(prompt) + 32, steps=32,
+                                 alg="maskgit_plus", mask_token_id=llm.cfg.mask_token_id)
+    exact = llm.generate(prompt, max_tokens=32, exact=True, early_stop=False)[0]
+    assert exact.token_ids == completion(expected[0, len(prompt):].tolist(), llm.stop_ids) and exact.nfe == 32
+    fast, _ = dream_block_generate(ref, torch.tensor([prompt]), max_length=len(prompt) + 32, steps=1,
+                                   block_length=32, cache="dual", alg="confidence_threshold", threshold=0.9,
+                                   mask_token_id=llm.cfg.mask_token_id)
+    default = llm.generate(prompt, max_tokens=32, early_stop=False)[0]
+    assert default.token_ids == completion(fast[0, len(prompt):].tolist(), llm.stop_ids)
+
+
+def test_eps_comes_from_generation_config(tmp_path, dream_path, ref):
+    """Dream's schedule end point is read from the checkpoint (as `diffusion_generate` does); a
+    request's `eps` overrides it."""
+    import shutil
+    path = shutil.copytree(dream_path, tmp_path / "eps")
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "eps": 0.4}))
+    llm = kstep.load(path)
+    prompt = prompt_ids(7, 5)
+    run = lambda eps: dream_generate(ref, torch.tensor([prompt]), max_length=len(prompt) + 16, steps=5,  # noqa: E731
+                                     alg="maskgit_plus", eps=eps, mask_token_id=llm.cfg.mask_token_id)[0]
+    assert not torch.equal(run(0.4), run(1e-3))  # the case does exercise eps
+    for eps, given in ((0.4, {}), (1e-3, {"eps": 1e-3})):
+        got = llm.generate(prompt, max_tokens=16, steps=5, block_length=16, cache="none", early_stop=False,
+                           **given)[0]
+        assert got.token_ids == completion(run(eps)[0, len(prompt):].tolist(), llm.stop_ids)
+
+
+def test_knobs_of_other_families_are_refused(llm, llama_path):
+    with pytest.raises(ValueError, match="cfg_scale"):
+        llm.generate([5, 6, 7], max_tokens=8, cfg_scale=1.0)
+    with pytest.raises(ValueError, match="alg_temp"):
+        kstep.load(llama_path).generate([5, 6, 7], max_tokens=8, alg_temp=0.5)

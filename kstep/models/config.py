@@ -1,13 +1,13 @@
 """The one architecture description every family's config.json is translated into."""
 from dataclasses import dataclass, field
 
-ATTENTION_MODES = ("causal", "bidirectional")
+ATTENTION_MODES = ("causal", "bidirectional", "block_causal")
 
 
 @dataclass(slots=True)
 class ModelConfig:
     family: str                      # registry name (kstep/registry.py): "llada", "llama", "qwen2", "dream"
-    attention: str                   # "causal" or "bidirectional": how positions attend (the registry's)
+    attention: str                   # "causal", "bidirectional" or "block_causal": how positions attend (the registry's)
     vocab_size: int                  # ids the tokenizer can produce; logits are cut to this
     embedding_size: int              # rows of the embedding / LM head (LLaDA pads it)
     d_model: int
@@ -30,6 +30,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    block_size: int | None = None    # block_causal: bidirectional inside blocks of this many tokens
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):

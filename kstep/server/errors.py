@@ -58,17 +58,39 @@ class BodySizeLimit:
             await e.response()(scope, receive, send)
 
 
+def _body_path(loc: tuple, body) -> str:
+    """Where in the body an error is, as the client wrote it ("messages[0].role"). Pydantic's loc also
+    names each union member it tried ("prompt.list[int].0"): those parts are not in the body."""
+    path, value = "", body
+    for i, part in enumerate(loc):
+        if isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            path, value = f"{path}[{part}]", value[part]
+        elif isinstance(value, dict) and (part in value or i == len(loc) - 1):  # the last may be missing
+            path, value = f"{path}.{part}" if path else str(part), value.get(part)
+    return path
+
+
 def _validation_message(e: RequestValidationError) -> APIError:
-    first = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    errors = [{**err, "loc": tuple(err.get("loc", ()))[1:]} for err in e.errors()]  # drop the leading "body"
+    if not errors:
+        return APIError(400, "invalid request")
+    field = errors[0]["loc"][0] if errors[0]["loc"] else None  # the top-level field: OpenAI's `param`
+    # A union reports one failure per member; the one that got deepest is the form the client meant.
+    first = max((err for err in errors if err["loc"][:1] == errors[0]["loc"][:1]), key=lambda err: len(err["loc"]))
+    path = _body_path(first["loc"], getattr(e, "body", None))
     kind = first.get("type")
     if kind == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
+    if kind == "missing" and not first["loc"]:
+        return APIError(400, "the request body is empty: send a JSON object")
     if kind == "missing":
-        return APIError(400, f"missing required field {loc!r}", loc or None)
+        return APIError(400, f"missing required field {path!r}", field)
+    if kind == "model_attributes_type" and isinstance(first.get("input"), bytes):
+        # FastAPI parses JSON only under a JSON content type; any other arrives as raw bytes
+        return APIError(415, "the request body must be JSON, sent with 'Content-Type: application/json'")
     if kind == "model_attributes_type":  # the body is JSON but not an object
         return APIError(400, "the request body must be a JSON object")
-    return APIError(400, f"{loc or 'body'}: {first['msg']}", loc or None)
+    return APIError(400, f"{path or 'body'}: {first['msg']}", field)
 
 
 def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:

@@ -4,17 +4,34 @@ temperature 1, top_p 1, completions max_tokens 16) and validate strictly, as Ope
 types, no coercion (`"n": "2"` is a 400). kstep's own knobs are extra fields, generated from their
 declaration in GenerationParams."""
 import types
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, create_model
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, \
+    create_model
+from pydantic_core import PydanticCustomError
 
 from kstep.params import GenerationParams, user_knobs
 
-_STRICT = {int: StrictInt, float: StrictFloat, bool: StrictBool, str: StrictStr}
+
+def _unicode(text: str) -> str:
+    """JSON can carry a lone UTF-16 surrogate (the escape "\\ud800", or its raw bytes, which Python's
+    JSON decoder lets through): no tokenizer can encode it, so it is a 400 here, not a 500 later."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError("unicode", "Input should be valid Unicode text (it holds a lone surrogate)") \
+            from None
+    return text
+
+
+Text = Annotated[str, Strict(), AfterValidator(_unicode)]
+# Python's JSON decoder accepts NaN and Infinity, which slip past every range check (NaN compares false).
+Number = Annotated[float, Strict(), AllowInfNan(False)]
+_STRICT = {int: StrictInt, float: Number, bool: StrictBool, str: Text}
 
 
 def _strict(annotation):
-    """The strict pydantic type of a knob's annotation (`float | None` -> StrictFloat | None)."""
+    """The strict pydantic type of a knob's annotation (`float | None` -> Number | None)."""
     base = next(a for a in annotation.__args__ if a is not type(None)) \
         if isinstance(annotation, types.UnionType) else annotation
     return _STRICT[base] | None
@@ -34,19 +51,19 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(KstepFields):
-    model: StrictStr
+    model: Text
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    temperature: StrictFloat | None = Field(default=None, ge=0, le=2)
-    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
+    temperature: Number | None = Field(default=None, ge=0, le=2)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
     n: StrictInt = Field(default=1, ge=1, le=16)
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = Field(default=None, ge=-2**63, lt=2**63)  # int64, as torch's generator takes
+    stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
+    user: Text | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
     logprobs: StrictBool | StrictInt | None = None
 
     def stop_strings(self) -> list[str]:
@@ -82,16 +99,16 @@ class SamplingFields(KstepFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
-    suffix: StrictStr | None = None
+    suffix: Text | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: StrictStr | list[dict] | None = None
+    content: Text | list[dict] | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

@@ -7,12 +7,12 @@ from kstep.flags import add_command
 
 
 def add_train(sub) -> None:
-    from kstep.train.trainer import TrainConfig
-    train = add_command(sub, "train", "train a diffusion (llada) or AR (llama) model on a code corpus")
+    from kstep.train.trainer import OBJECTIVES, TrainConfig
+    train = add_command(sub, "train", "train a diffusion (llada), block-diffusion or AR (llama) model on a code corpus")
     for f in TrainConfig.__dataclass_fields__.values():
         flag = "--" + f.name.replace("_", "-")
         if f.name in ("objective", "out"):
-            train.add_argument(flag, required=True, choices=["diffusion", "ar"] if f.name == "objective" else None)
+            train.add_argument(flag, required=True, choices=OBJECTIVES if f.name == "objective" else None)
         elif f.type is bool:
             train.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
@@ -26,6 +26,28 @@ def run_train(args: argparse.Namespace) -> int:
     from kstep.train.trainer import TrainConfig, Trainer
     fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
     print(Trainer(TrainConfig(**fields)).train(resume=args.resume))
+    return 0
+
+
+def add_distill(sub) -> None:
+    distill = add_command(sub, "distill", "an AR teacher's greedy completions of the training prompts (JSONL), "
+                                          "for training a diffusion student")
+    distill.add_argument("--model", default="default-ar", help="the teacher (an AR checkpoint)")
+    distill.add_argument("--out", required=True, help="JSONL to append to (a stopped run resumes)")
+    distill.add_argument("--max-tokens", type=int, default=192)
+    distill.add_argument("--batch-size", type=int, default=16)
+    distill.add_argument("--limit", type=int, default=None, help="at most this many prompts")
+    distill.add_argument("--corpus", default="stdlib")
+    distill.add_argument("--threads", type=int, default=None)
+    distill.set_defaults(run=run_distill)
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    from kstep.flags import check_positive, set_threads
+    from kstep.train.distill import distill
+    check_positive(args, "max_tokens", "batch_size")
+    set_threads(args.threads)
+    print(distill(args.model, Path(args.out), args.max_tokens, args.batch_size, args.limit, args.corpus))
     return 0
 
 

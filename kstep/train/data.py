@@ -1,5 +1,6 @@
 """Token streams for training: files tokenized once, joined with end-of-sequence, sampled as windows."""
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -75,4 +76,27 @@ def function_pairs(tok: Tokenizer, files: list[CorpusFile], eos_id: int, seq_len
         prompt_lengths.append(len(prompt))
     if not rows:
         raise ValueError("the corpus has no documented functions for the prompt/completion objective")
+    return np.asarray(rows, dtype=np.int64), np.asarray(prompt_lengths, dtype=np.int64)
+
+
+def distill_pairs(path: Path, eos_id: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of `kstep distill`'s JSONL ({prompt_ids, completion_ids}, those that parse): prompt, completion, then
+    end-of-sequence padding to seq_len (LLaDA's SFT padding). Returns (tokens (N, seq_len),
+    prompt_lengths (N,)); rows whose prompt leaves under 8 tokens of room are skipped."""
+    rows, prompt_lengths = [], []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not row.get("parses", True):
+                continue
+            prompt, completion = row["prompt_ids"], row["completion_ids"] + [eos_id]
+            if len(prompt) >= seq_len - 8:
+                continue
+            ids = (prompt + completion)[:seq_len]
+            rows.append(ids + [eos_id] * (seq_len - len(ids)))
+            prompt_lengths.append(len(prompt))
+    if not rows:
+        raise ValueError(f"--distill-data {path}: no usable rows")
     return np.asarray(rows, dtype=np.int64), np.asarray(prompt_lengths, dtype=np.int64)

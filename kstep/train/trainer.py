@@ -16,10 +16,12 @@ from tqdm import tqdm
 
 from kstep.models import ModelConfig, Transformer
 from kstep.train import bpe, data
+from kstep.train.block_objective import block_diffusion_loss
 from kstep.train.objectives import ar_loss, ar_nll, diffusion_loss, diffusion_nll_bound
-from kstep.weights import load_weights, save_checkpoint
+from kstep.weights import load_model, save_checkpoint
 
-OBJECTIVES = ("diffusion", "ar")
+OBJECTIVES = ("diffusion", "ar", "block-diffusion")
+BLOCK_FAMILY = "fast_dllm_v2"  # the layout a block-diffusion model is written in
 
 
 @dataclass(slots=True)
@@ -52,6 +54,13 @@ class TrainConfig:
     stratified_t: bool = False        # diffusion: MDLM's low-discrepancy t across the batch
     bf16: bool = False                # bf16 autocast: slower on this CPU build (backward matmuls), off by default
     max_positions: int = 2048
+    block_size: int = 8               # block-diffusion: tokens per block
+    complementary_masks: bool = True  # block-diffusion: each row also with the opposite mask
+    mask_ratio_min: float = 0.0       # block-diffusion: each block's mask ratio ~ U(min, max)
+    mask_ratio_max: float = 1.0
+    certainty_weight: float = 0.0     # block-diffusion: dParallel's certainty forcing
+    distill_data: str | None = None   # JSONL of {prompt_ids, completion_ids} (kstep distill): trained as pairs
+    real_data_fraction: float = 0.0   # with distill_data: this share of each batch from the corpus windows
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -59,6 +68,12 @@ class TrainConfig:
         for name in ("d_model", "n_layers", "n_heads", "ffn_dim", "seq_len", "batch_size", "token_budget"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.objective == "block-diffusion" and self.seq_len % self.block_size:
+            raise ValueError(f"--seq-len ({self.seq_len}) must be a multiple of --block-size ({self.block_size})")
+        if not 0 <= self.mask_ratio_min <= self.mask_ratio_max <= 1:
+            raise ValueError("--mask-ratio-min/max must satisfy 0 <= min <= max <= 1")
+        if not 0 <= self.real_data_fraction <= 1:
+            raise ValueError(f"--real-data-fraction must be in [0, 1], got {self.real_data_fraction}")
         if self.d_model % self.n_heads:
             raise ValueError(f"--d-model ({self.d_model}) must be a multiple of --n-heads ({self.n_heads})")
 
@@ -68,6 +83,13 @@ class TrainConfig:
 
 
 def model_config(cfg: TrainConfig, vocab_size: int, ids: dict[str, int]) -> ModelConfig:
+    if cfg.objective == "block-diffusion":
+        return ModelConfig(
+            family=BLOCK_FAMILY, attention="block_causal", vocab_size=vocab_size, embedding_size=vocab_size,
+            d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+            head_dim=cfg.d_model // cfg.n_heads, ffn_dim=cfg.ffn_dim, norm_eps=1e-5, rope_theta=10000.0,
+            max_positions=cfg.max_positions, qkv_bias=True, tie_embeddings=False, mask_token_id=ids["mask"],
+            pad_token_id=ids["pad"], eos_token_ids=(ids["eos"],), block_size=cfg.block_size)
     is_diffusion = cfg.objective == "diffusion"
     return ModelConfig(
         family="llada" if is_diffusion else "llama", attention="bidirectional" if is_diffusion else "causal",
@@ -114,19 +136,35 @@ class Trainer:
         held_out = data.tokenize(self.tok, data.texts([f for f in self.files if f.is_held_out]), self.ids["eos"])
         self.eval_batch = data.fixed_windows(held_out if len(held_out) > cfg.seq_len else self.train_stream,
                                              cfg.eval_windows, cfg.seq_len)
-        if cfg.prompt_completion:
+        self.pairs = None
+        if cfg.distill_data:
+            self.pairs = data.distill_pairs(Path(cfg.distill_data), self.ids["eos"], cfg.seq_len)
+        elif cfg.prompt_completion:
             self.pairs = data.function_pairs(self.tok, [f for f in self.files if not f.is_held_out],
                                              self.ids["eos"], cfg.seq_len)
         self.model = Transformer(model_config(cfg, self.tok.get_vocab_size(), self.ids))
         init_weights(self.model, cfg.seed)
         if cfg.init_from:
-            load_weights(self.model, Path(cfg.init_from))
+            self._init_from(Path(cfg.init_from))
         decay = [p for p in self.model.parameters() if p.dim() == 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                             {"params": no_decay, "weight_decay": 0.0}],
                                            lr=cfg.lr, betas=(0.9, 0.95), fused=False)
         self.step, self.tokens_seen, self.log = 0, 0, []
+
+    def _init_from(self, path: Path) -> None:
+        """Start from a checkpoint of any family with the same sizes (e.g. an AR twin for a
+        block-diffusion model): parameters are matched by kstep's names; any the source lacks (q/k/v
+        biases of a Qwen2 layout) keep their initial value (zero)."""
+        source = dict(load_model(path).named_parameters())
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name in source:
+                    if source[name].shape != p.shape:
+                        raise ValueError(f"--init-from {path}: {name} has shape {list(source[name].shape)}, "
+                                         f"expected {list(p.shape)}")
+                    p.copy_(source[name])
 
     def _tokenizer(self, train_texts: list[str]) -> Tokenizer:
         if self.cfg.tokenizer:
@@ -136,28 +174,45 @@ class Trainer:
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(tokens, prompt_lengths or None) for a step; depends only on (seed, step), so a resumed
         run continues the same stream."""
-        rng = np.random.default_rng([self.cfg.seed, step])
-        if not self.cfg.prompt_completion:
-            return data.sample_windows(self.train_stream, rng, self.cfg.batch_size, self.cfg.seq_len), None
-        rows = rng.integers(0, len(self.pairs[0]), size=self.cfg.batch_size)
-        return torch.from_numpy(self.pairs[0][rows]), torch.from_numpy(self.pairs[1][rows])
+        cfg = self.cfg
+        rng = np.random.default_rng([cfg.seed, step])
+        if self.pairs is None:
+            return data.sample_windows(self.train_stream, rng, cfg.batch_size, cfg.seq_len), None
+        num_real = round(cfg.batch_size * cfg.real_data_fraction) if cfg.distill_data else 0
+        rows = rng.integers(0, len(self.pairs[0]), size=cfg.batch_size - num_real)
+        tokens, prompt_lengths = torch.from_numpy(self.pairs[0][rows]), torch.from_numpy(self.pairs[1][rows])
+        if num_real:  # corpus windows: no prompt, every position may be masked
+            tokens = torch.cat([tokens, data.sample_windows(self.train_stream, rng, num_real, cfg.seq_len)])
+            prompt_lengths = torch.cat([prompt_lengths, torch.zeros(num_real, dtype=torch.long)])
+        return tokens, prompt_lengths
 
     def loss(self, tokens: torch.Tensor, generator: torch.Generator,
              prompt_lengths: torch.Tensor | None = None) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16 and tokens.device.type == "cpu"):
             if self.cfg.objective == "diffusion":
                 return diffusion_loss(self.model, tokens, self.ids["mask"], generator, prompt_lengths, self.cfg.stratified_t)
+            if self.cfg.objective == "block-diffusion":
+                return self._block_loss(tokens, generator, prompt_lengths, self.cfg.certainty_weight)
             return ar_loss(self.model, tokens, generator, prompt_lengths)
+
+    def _block_loss(self, tokens, generator, prompt_lengths=None, certainty_weight: float = 0.0) -> torch.Tensor:
+        cfg = self.cfg
+        return block_diffusion_loss(self.model, tokens, self.ids["mask"], cfg.block_size, generator, prompt_lengths,
+                                    cfg.complementary_masks, (cfg.mask_ratio_min, cfg.mask_ratio_max),
+                                    certainty_weight)
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Held-out NLL per token in nats (diffusion: the ELBO bound, 8 Monte-Carlo samples)."""
+        """Held-out NLL per token in nats (diffusion: the ELBO bound, 8 Monte-Carlo samples;
+        block-diffusion: the masked tokens' cross-entropy at the training mask ratios, fixed draws)."""
         self.model.eval()
         generator = torch.Generator().manual_seed(1234)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
             if self.cfg.objective == "diffusion":
                 nll = diffusion_nll_bound(self.model, self.eval_batch, self.ids["mask"], 8, generator)
                 per_token = nll.sum() / self.eval_batch.numel()
+            elif self.cfg.objective == "block-diffusion":
+                per_token = self._block_loss(self.eval_batch, generator)
             else:
                 per_token = ar_nll(self.model, self.eval_batch).sum() / (self.eval_batch.numel() - len(self.eval_batch))
         self.model.train()
