@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kstep.eval.cli import add_eval
     from kstep.server.cli import add_serve
     from kstep.train.cli import add_distill, add_train, add_train_report
-    parser = argparse.ArgumentParser(prog="kstep", description=__doc__, usage="kstep COMMAND [options] ...")
+    parser = argparse.ArgumentParser(prog="kstep", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (add_generate, add_serve, add_eval, add_train, add_distill, add_train_report, add_bench,
                 add_random_checkpoint):

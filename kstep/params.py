@@ -9,6 +9,7 @@ Sampling knobs serve every family; `steps`, `block_length`, `remasking`, `cfg_sc
 masked-diffusion knobs of LLaDA's `generate()` (`gen_length` is `max_tokens`); `alg_temp` and `eps`
 are Dream's (`diffusion_generate`).
 """
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
@@ -193,8 +194,8 @@ def _check_int(name: str, value, low: int | None, high: int | None = None, rule:
 def _check_number(name: str, value, low: float, high: float | None = None, exclusive_low: bool = False) -> None:
     if value is None:
         return
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     if (value <= low if exclusive_low else value < low) or (high is not None and value > high):
         low_text = f"> {low}" if exclusive_low else f">= {low}"
         raise ValueError(f"{name} must be {low_text}" + (f" and <= {high}" if high is not None else "") +

@@ -86,3 +86,11 @@ def test_api_errors_are_value_errors(llada_path):
         llm.generate([[]])
     with pytest.raises(ValueError, match="context"):
         llm.generate([5, 6], max_tokens=2048, block_length=32)
+
+
+@pytest.mark.parametrize("field", ["cfg_scale", "threshold", "factor", "temperature", "top_p"])
+def test_params_refuse_non_finite_numbers(field):
+    """NaN compares false with every bound, so only an explicit check stops it before a decoding step."""
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+            kstep.GenerationParams(**{field: value})

@@ -14,7 +14,7 @@ def _progress(line: str) -> None:
 
 def add_bench(sub) -> None:
     bench = add_command(sub, "bench", "benchmarks (ratios against a baseline measured in the same run)", "KIND")
-    kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND", prog=bench.prog)
     for add in (_add_decode, _add_compare, _add_quant, _add_ar, _add_serve):
         add(kinds)
 

@@ -39,6 +39,9 @@ class Scheduler:
         """(the batch for the next step, the requests just admitted into it): running requests keep
         their slots; waiting ones join in arrival order while there is room."""
         with self._lock:
+            for request in self.running:
+                if request.is_aborted:
+                    request.decoder = None  # its KV cache goes now, not when the last reference does
             self.running = [r for r in self.running if not r.is_aborted]
             admitted = []
             while self.waiting and len(self.running) < self.max_batch_size:

@@ -61,42 +61,38 @@ def fixed_windows(stream: np.ndarray, count: int, seq_len: int) -> torch.Tensor:
     return torch.from_numpy(np.stack([stream[s: s + seq_len] for s in starts]).astype(np.int64))
 
 
-def function_pairs(tok: Tokenizer, files: list[CorpusFile], eos_id: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt/completion rows for the prompt/completion objective: signature + docstring, then the body
-    and end-of-sequence, padded with end-of-sequence to seq_len as LLaDA's SFT pads. Returns
-    (tokens (N, seq_len), prompt_lengths (N,)); rows whose prompt leaves no room are skipped."""
+def padded_pairs(pairs, eos_id: int, seq_len: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(prompt ids, completion ids) pairs as training rows: prompt, completion, end-of-sequence, then
+    end-of-sequence padding to seq_len (LLaDA's SFT padding). Returns (tokens (N, seq_len),
+    prompt_lengths (N,)), or None when no pair fits; a prompt leaving under 8 tokens of room is skipped."""
     rows, prompt_lengths = [], []
-    for ex in function_examples(files):
-        prompt = tok.encode(ex.prompt, add_special_tokens=False).ids
-        body = tok.encode(ex.body, add_special_tokens=False).ids + [eos_id]
+    for prompt, completion in pairs:
         if len(prompt) >= seq_len - 8:
             continue
-        row = (prompt + body)[:seq_len]
-        rows.append(row + [eos_id] * (seq_len - len(row)))
+        ids = (prompt + completion + [eos_id])[:seq_len]
+        rows.append(ids + [eos_id] * (seq_len - len(ids)))
         prompt_lengths.append(len(prompt))
     if not rows:
-        raise ValueError("the corpus has no documented functions for the prompt/completion objective")
+        return None
     return np.asarray(rows, dtype=np.int64), np.asarray(prompt_lengths, dtype=np.int64)
+
+
+def function_pairs(tok: Tokenizer, files: list[CorpusFile], eos_id: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt/completion rows for the prompt/completion objective: signature + docstring, then the body
+    (`padded_pairs`)."""
+    encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
+    pairs = padded_pairs(((encode(ex.prompt), encode(ex.body)) for ex in function_examples(files)), eos_id, seq_len)
+    if pairs is None:
+        raise ValueError("the corpus has no documented functions for the prompt/completion objective")
+    return pairs
 
 
 def distill_pairs(path: Path, eos_id: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of `kstep distill`'s JSONL ({prompt_ids, completion_ids}, those that parse): prompt, completion, then
-    end-of-sequence padding to seq_len (LLaDA's SFT padding). Returns (tokens (N, seq_len),
-    prompt_lengths (N,)); rows whose prompt leaves under 8 tokens of room are skipped."""
-    rows, prompt_lengths = [], []
+    """The rows of `kstep distill`'s JSONL ({prompt_ids, completion_ids}) that parse (`padded_pairs`)."""
     with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not row.get("parses", True):
-                continue
-            prompt, completion = row["prompt_ids"], row["completion_ids"] + [eos_id]
-            if len(prompt) >= seq_len - 8:
-                continue
-            ids = (prompt + completion)[:seq_len]
-            rows.append(ids + [eos_id] * (seq_len - len(ids)))
-            prompt_lengths.append(len(prompt))
-    if not rows:
+        rows = [json.loads(line) for line in f if line.strip()]
+    pairs = padded_pairs(((r["prompt_ids"], r["completion_ids"]) for r in rows if r.get("parses", True)),
+                         eos_id, seq_len)
+    if pairs is None:
         raise ValueError(f"--distill-data {path}: no usable rows")
-    return np.asarray(rows, dtype=np.int64), np.asarray(prompt_lengths, dtype=np.int64)
+    return pairs
