@@ -65,13 +65,14 @@ class LLM:
             self._check_draft(self.draft)
 
     def _checkpoint_defaults(self) -> dict:
-        """Sampler settings the checkpoint's generation_config.json gives for knobs kstep leaves
-        unset by default (Dream's `eps`, `alg_temp`). Its other keys (e.g. Dream's `steps: 512`,
-        `alg: origin`) are not taken: kstep's defaults (dual cache + threshold) decide those."""
+        """Knob values the checkpoint gives for knobs kstep leaves unset by default: a block model's
+        block size (config.json), Dream's `eps`, `alg_temp` (generation_config.json). Its other keys
+        (e.g. Dream's `steps: 512`, `alg: origin`) are not taken: kstep's defaults decide those."""
         path = self.path / "generation_config.json"
         raw = read_json(path) if path.is_file() else {}
-        return {name: raw[name] for name in ("eps", "alg_temp") if raw.get(name) is not None
-                and knob_applies(name, self.cfg.family, self.family.kind)}
+        return {**self.family.knob_defaults(self.cfg),
+                **{name: raw[name] for name in ("eps", "alg_temp") if raw.get(name) is not None
+                   and knob_applies(name, self.cfg.family, self.family.kind)}}
 
     def _check_draft(self, draft: "LLM") -> None:
         """A draft must be an AR model over the same vocabulary: its token ids mean the target's."""
@@ -86,7 +87,8 @@ class LLM:
 
     @property
     def is_diffusion(self) -> bool:
-        return self.family.kind == DIFFUSION
+        """Decodes by unmasking (masked or block diffusion), not token by token."""
+        return self.family.kind != AUTOREGRESSIVE
 
     @property
     def kind(self) -> str:

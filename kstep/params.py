@@ -13,7 +13,10 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
-DIFFUSION, AUTOREGRESSIVE = "diffusion", "autoregressive"  # the two kinds of family
+# The kinds of family: masked diffusion over a canvas (LLaDA, Dream), block diffusion (bidirectional
+# inside a block, causal across: Fast-dLLM v2, SDAR), autoregressive.
+DIFFUSION, BLOCK_DIFFUSION, AUTOREGRESSIVE = "diffusion", "block-diffusion", "autoregressive"
+DENOISING = (DIFFUSION, BLOCK_DIFFUSION)
 DEFAULT_BLOCK_LENGTH = 32  # LLaDA-Instruct's recommended semi-autoregressive block
 # The fast default (Fast-dLLM's dual cache + confidence threshold): `kstep eval` measured it to hold
 # quality against the exact sampler on held-out prompts (README). `exact=True` is the reference sampler.
@@ -55,23 +58,27 @@ class GenerationParams:
     top_k: int | None = knob(None, "sample among the k most likely tokens")
     top_p: float | None = knob(None, "nucleus sampling: the smallest set with this much mass", http=False)
     seed: int | None = knob(None, "random seed of this request's sampling", server_default=False, http=False)
-    steps: int | None = knob(None, "diffusion forward passes with the fixed schedule (default: max tokens)",
-                             (DIFFUSION,), server_default=False)
+    steps: int | None = knob(None, "diffusion forward passes with the fixed schedule (default: max tokens); "
+                                   "block diffusion: denoising passes per block (SDAR's denoising_steps)",
+                             DENOISING, server_default=False)
     block_length: int | None = knob(None, "semi-autoregressive block (default: 32 when it divides max tokens, "
-                                          "else max tokens)", (DIFFUSION,))
-    remasking: str = knob("low_confidence", "unmask rule", (DIFFUSION,), REMASKING_RULES)
+                                          "else max tokens; block diffusion: the checkpoint's block size)", DENOISING)
+    remasking: str = knob("low_confidence", "unmask rule", DENOISING, REMASKING_RULES)
     cfg_scale: float = knob(0.0, "LLaDA's unsupervised classifier-free guidance", ("llada",))
     cache: str | None = knob(None, "diffusion KV cache: none, prefix, dual (Fast-dLLM; the default)",
                              (DIFFUSION,), CACHE_MODES)
     threshold: float | None = knob(None, "unmask every mask with confidence >= T per pass, at least one "
-                                         "(default 0.9 unless steps or factor is given)", (DIFFUSION,))
+                                         "(default 0.9 unless steps or factor is given; block diffusion: with steps, "
+                                         "at least the schedule's count)", DENOISING)
     factor: float | None = knob(None, "Fast-dLLM's factor unmask rule", (DIFFUSION,))
     exact: bool = knob(False, "the reference sampler: no cache, fixed schedule, one token per pass "
-                              "(or steps passes)", (DIFFUSION,))
+                              "(or steps passes)", DENOISING)
     alg_temp: float | None = knob(None, "Dream's alg_temp: sample which masks to unmask from "
                                         "softmax(confidence / alg_temp)", ("dream",))
     eps: float | None = knob(None, "Dream's eps: the schedule runs from t = 1 to eps (default: the "
                                    "checkpoint's generation_config, else 1e-3)", ("dream",))
+    sub_block_length: int | None = knob(None, "Fast-dLLM v2's small_block_size: unmask only inside the current "
+                                              "sub-block of this many tokens (default 8)", ("fast_dllm_v2",))
     early_stop: bool = knob(True, "diffusion: stop a row once an end-of-sequence token has nothing masked "
                                   "before it (an AR row always stops at its end-of-sequence token)")
     ignore_eos: bool = knob(False, "always produce max tokens: no stop at end-of-sequence")
@@ -92,6 +99,7 @@ class GenerationParams:
         _check_int("seed", self.seed, None)
         _check_int("steps", self.steps, 1)
         _check_int("block_length", self.block_length, 1)
+        _check_int("sub_block_length", self.sub_block_length, 1)
         _check_number("cfg_scale", self.cfg_scale, 0)
         _check_number("threshold", self.threshold, 0, 1, exclusive_low=True)
         _check_number("factor", self.factor, 0, exclusive_low=True)
@@ -135,7 +143,29 @@ class GenerationParams:
             if draft_tokens > 0 and not has_draft:
                 raise ValueError("num_draft_tokens > 0 needs a draft model (kstep.load(..., draft=...), --draft)")
             return replace(self, num_draft_tokens=draft_tokens, is_resolved=True)
+        if kind == BLOCK_DIFFUSION:
+            return self._resolve_block_diffusion()
         return self._resolve_diffusion(family in WHOLE_CANVAS_REFERENCE)
+
+    def _resolve_block_diffusion(self) -> "GenerationParams":
+        """Blocks are the checkpoint's (filled in from it when not given) and aligned to position 0,
+        so any max_tokens fits. Policy: a threshold (default 0.9; with `steps`, at least the
+        schedule's count per pass, SDAR's dynamic rule); `steps` alone: that fixed count schedule per
+        block; `exact`: one token per pass (steps = block_length)."""
+        if self.block_length is None:
+            raise ValueError("block_length: a block-diffusion model needs its block size (from its config)")
+        sub = self.sub_block_length or self.block_length
+        if self.block_length % sub:
+            raise ValueError(f"sub_block_length ({sub}) must divide block_length ({self.block_length})")
+        steps = self.block_length if self.exact else self.steps
+        if steps is not None and steps > self.block_length:
+            raise ValueError(f"steps ({steps}) per block exceeds block_length ({self.block_length})")
+        if self.threshold is not None or (steps is None and not self.exact):
+            policy = UnmaskPolicy("threshold", DEFAULT_THRESHOLD if self.threshold is None else self.threshold)
+        else:
+            policy = UnmaskPolicy("fixed", steps)
+        threshold = policy.value if policy.kind == "threshold" else None
+        return replace(self, steps=steps, threshold=threshold, policy=policy, sub_block_length=sub, is_resolved=True)
 
     def _resolve_diffusion(self, whole_canvas_reference: bool) -> "GenerationParams":
         """Defaults: the dual cache, and the 0.9 confidence threshold unless `steps` or `factor`

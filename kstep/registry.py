@@ -5,6 +5,8 @@ file in models/ and a decoder in decoding/ (or a reused one).
     family   layout (models/)   attention       kind            decoder (decoding/)
     llada    llada.py           bidirectional   diffusion       masked_diffusion.DiffusionDecoder
     dream    dream.py           bidirectional   diffusion       dream.DreamDecoder
+    fast_dllm_v2  fast_dllm_v2.py  block_causal  block-diffusion  block_diffusion.BlockDiffusionDecoder (shifted)
+    sdar     sdar.py            block_causal    block-diffusion block_diffusion.BlockDiffusionDecoder
     llama    llama.py           causal          autoregressive  autoregressive (speculative with a draft)
     qwen2    llama.py           causal          autoregressive  autoregressive (speculative with a draft)
 """
@@ -15,12 +17,13 @@ from typing import TYPE_CHECKING
 
 from kstep.decoding.autoregressive import AutoregressiveDecoder
 from kstep.decoding.base import DecodeBatch, Decoder
+from kstep.decoding.block_diffusion import BlockDiffusionDecoder, BlockRules
 from kstep.decoding.dream import DreamDecoder
 from kstep.decoding.masked_diffusion import DiffusionDecoder
 from kstep.decoding.speculative import SpeculativeDecoder
-from kstep.models import dream, llada, llama
+from kstep.models import dream, fast_dllm_v2, llada, llama, sdar
 from kstep.models.config import ModelConfig
-from kstep.params import AUTOREGRESSIVE, DIFFUSION, GenerationParams
+from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, GenerationParams
 from kstep.runner.model_runner import ModelRunner
 from kstep.runner.prefix_cache import PrefixCache
 
@@ -51,26 +54,38 @@ def autoregressive_decoder(runner: ModelRunner, batch: DecodeBatch, params: Gene
 class Family:
     name: str
     layout: ModuleType               # parse_config(raw, family, attention), checkpoint_names(cfg), to_raw_config(cfg)
-    attention: str                   # "causal" | "bidirectional"
-    kind: str                        # AUTOREGRESSIVE | DIFFUSION: which generation knobs apply
+    attention: str                   # "causal" | "bidirectional" | "block_causal"
+    kind: str                        # AUTOREGRESSIVE | DIFFUSION | BLOCK_DIFFUSION: which generation knobs apply
     decoder: DecoderFactory
     architectures: tuple[str, ...]   # config.json `architectures` that select it
     model_types: tuple[str, ...]     # config.json `model_type` that selects it
 
     def parse_config(self, raw: dict) -> ModelConfig:
-        cfg = self.layout.parse_config(raw, self.name, self.attention)
-        if self.kind == DIFFUSION and cfg.mask_token_id is None:
-            raise ValueError(f"config.json: a {self.name} (diffusion) checkpoint needs a mask_token_id")
-        return cfg
+        return self.layout.parse_config(raw, self.name, self.attention)
+
+    def knob_defaults(self, cfg: ModelConfig) -> dict:
+        """Generation knobs this family takes from the checkpoint (a block model's block size)."""
+        if self.kind != BLOCK_DIFFUSION:
+            return {}
+        return {"block_length": cfg.block_size, **({"sub_block_length": 8} if self.name == "fast_dllm_v2" else {})}
 
 
 def _diffusion(cls) -> DecoderFactory:
     return lambda runner, batch, params, resources: cls(runner, batch, params)
 
 
+def _block(rules: BlockRules) -> DecoderFactory:
+    return lambda runner, batch, params, resources: BlockDiffusionDecoder(runner, batch, params, rules)
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llada", llada, "bidirectional", DIFFUSION, _diffusion(DiffusionDecoder), ("LLaDAModelLM",), ("llada",)),
     Family("dream", dream, "bidirectional", DIFFUSION, _diffusion(DreamDecoder), ("DreamModel",), ("Dream",)),
+    Family("fast_dllm_v2", fast_dllm_v2, "block_causal", BLOCK_DIFFUSION,
+           _block(BlockRules(is_shifted=True, stores_after_stop=False)), ("Fast_dLLM_QwenForCausalLM",),
+           ("Fast_dLLM_Qwen",)),
+    Family("sdar", sdar, "block_causal", BLOCK_DIFFUSION, _block(BlockRules(is_shifted=False, stores_after_stop=True)),
+           ("SDARForCausalLM",), ("sdar",)),
     Family("llama", llama, "causal", AUTOREGRESSIVE, autoregressive_decoder, ("LlamaForCausalLM",), ("llama",)),
     Family("qwen2", llama, "causal", AUTOREGRESSIVE, autoregressive_decoder, ("Qwen2ForCausalLM",), ("qwen2",)),
 )}
@@ -102,4 +117,4 @@ def make_decoder(llm: "LLM", rows: list[list[int]], params: GenerationParams,
     return llm.family.decoder(llm.runner, batch, params, resources)
 
 
-__all__ = ["AUTOREGRESSIVE", "DIFFUSION", "FAMILIES", "DecoderResources", "Family", "family_for", "make_decoder"]
+__all__ = ["AUTOREGRESSIVE", "BLOCK_DIFFUSION", "DIFFUSION", "FAMILIES", "DecoderResources", "Family", "family_for", "make_decoder"]

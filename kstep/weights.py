@@ -11,7 +11,25 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kstep.models import ModelConfig, Transformer
-from kstep.registry import FAMILIES, family_for
+from kstep.registry import AUTOREGRESSIVE, FAMILIES, family_for
+
+# Mask tokens of published diffusion tokenizers: Fast-dLLM v2 names its mask id nowhere else.
+MASK_TOKENS = ("|<MASK>|", "<|MASK|>", "<MASK>", "<|mask|>", "[MASK]")
+
+
+def mask_id_from_tokenizer(path: Path) -> int | None:
+    """The mask token's id from tokenizer_config.json's `mask_token` or tokenizer.json's added tokens."""
+    names = list(MASK_TOKENS)
+    config_path = path / "tokenizer_config.json"
+    if config_path.is_file():
+        named = read_json(config_path).get("mask_token")
+        named = named.get("content") if isinstance(named, dict) else named
+        names = ([named] if named else []) + names
+    tokenizer_path = path / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        return None
+    added = {t.get("content"): t.get("id") for t in read_json(tokenizer_path).get("added_tokens", [])}
+    return next((added[n] for n in names if n in added), None)
 
 
 def read_json(path: Path) -> dict:
@@ -33,6 +51,11 @@ def read_model_config(path: Path) -> ModelConfig:
         cfg = family.parse_config(raw)
     except KeyError as e:
         raise ValueError(f"checkpoint {path}: config.json lacks the key {e.args[0]!r}") from None
+    if cfg.mask_token_id is None and family.kind != AUTOREGRESSIVE:
+        cfg.mask_token_id = mask_id_from_tokenizer(path)
+        if cfg.mask_token_id is None:
+            raise ValueError(f"checkpoint {path}: a {family.name} (diffusion) checkpoint needs a mask token id "
+                             "(config.json mask_token_id, or a mask token in its tokenizer)")
     gen_path = path / "generation_config.json"
     if gen_path.is_file():
         eos = read_json(gen_path).get("eos_token_id")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kstep.layers.labels import labelled
+from kstep.layers.norm import RMSNorm
 from kstep.layers.rotary import apply_rotary
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values, each (B, Hkv, S_max, hd)
@@ -72,9 +73,12 @@ def project(x: torch.Tensor, fused: tuple[torch.Tensor, torch.Tensor | None]) ->
 
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 qkv_bias: bool, out_bias: bool):
+                 qkv_bias: bool, out_bias: bool, qk_norm_eps: float | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        # Qwen3 / SDAR: RMSNorm over each head's query and key vector, before rotary.
+        self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
+        self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
@@ -118,13 +122,15 @@ class Attention(nn.Module):
         N, H, Hkv, hd = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         cos, sin = cos[:, None], sin[:, None]  # (N, 1, hd): broadcast over heads
         # Projections and rotary run once over every sequence's tokens; only attention is per sequence.
-        if self.fused is not None and not torch.is_grad_enabled():
+        if self.fused is not None and not torch.is_grad_enabled() and self.q_norm is None:
             qkv = project(x, self.fused).view(N, H + 2 * Hkv, hd)
             qk = apply_rotary(qkv[:, :H + Hkv], cos, sin)  # (N, H + Hkv, hd)
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
         else:
-            q = apply_rotary(self.q_proj(x).view(N, H, hd), cos, sin)  # (N, H, hd)
-            k = apply_rotary(self.k_proj(x).view(N, Hkv, hd), cos, sin)  # (N, Hkv, hd)
+            q, k = self.q_proj(x).view(N, H, hd), self.k_proj(x).view(N, Hkv, hd)  # (N, H|Hkv, hd)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             v = self.v_proj(x).view(N, Hkv, hd)
         with labelled("kstep.attention"):
             outs = [self._attend(q, k, v, seg, layer_idx, is_causal) for seg in segments]

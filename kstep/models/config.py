@@ -31,6 +31,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     block_size: int | None = None    # block_causal: bidirectional inside blocks of this many tokens
+    qk_norm: bool = False            # Qwen3: RMSNorm over each head's q and k before rotary
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):

@@ -105,19 +105,35 @@ class ModelRunner:
                            kv, cache_start)
 
     def ragged_causal_pass(self, ids: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
-                           real: torch.Tensor, kv: KVCache) -> ForwardPass:
-        """A causal pass where each row b writes its T tokens at its own slots [starts[b], starts[b]+T)
-        and attends to its cached slots before starts[b] that `real` (B, S_max) marks, plus this
-        pass's tokens up to itself. Logits for all T positions (speculative verification)."""
+                           real: torch.Tensor, kv: KVCache, is_causal: bool = True, kind: str = "verify",
+                           columns: torch.Tensor | None = None) -> ForwardPass:
+        """A pass where each row b writes its T tokens at its own slots [starts[b], starts[b]+T) and
+        attends to its cached slots before starts[b] that `real` (B, S_max) marks, plus this pass's
+        tokens: up to itself (`is_causal`: speculative verification) or all of them (a block of a
+        block-diffusion model). Logits for the T positions (only `columns` of them when given)."""
         B, T = ids.shape
         offsets = torch.arange(T, device=self.device)
         slots = starts[:, None] + offsets  # (B, T)
         attend_len = int(slots.max()) + 1
         key = torch.arange(attend_len, device=self.device)  # (S,)
         cached = real[:, :attend_len] & (key < starts[:, None])  # (B, S)
-        new = (key[None, None, :] >= starts[:, None, None]) & (key[None, None, :] <= slots[:, :, None])  # (B, T, S)
-        mask = (cached[:, None, :] | new)[:, None]  # (B, 1, T, S)
-        return ForwardPass(ids, positions, mask, 0, T, "verify", self, kv, 0, attend_len, slots)
+        last = slots[:, :, None] if is_causal else slots[:, -1:, None]  # (B, T|1, 1)
+        new = (key[None, None, :] >= starts[:, None, None]) & (key[None, None, :] <= last)  # (B, T|1, S)
+        mask = (cached[:, None, :] | new)[:, None]  # (B, 1, T|1, S)
+        return ForwardPass(ids, positions, mask, 0, T, kind, self, kv, 0, attend_len, slots, columns)
+
+    def block_prefill_pass(self, ids: torch.Tensor, key_mask: torch.Tensor | None, block_size: int,
+                           kv: KVCache) -> ForwardPass:
+        """Block-causal pass over left-padded prompts ids (B, W) (bidirectional inside blocks of
+        `block_size` positions, causal across), written into the cache at [0, W); logits of the last
+        position."""
+        B, W = ids.shape
+        positions = self._positions(key_mask, B, W)
+        blocks = positions // block_size  # (B, W)
+        mask = blocks[:, None, :] <= blocks[:, :, None]  # (B, W, W): key block <= query block
+        if key_mask is not None:  # pads are never keys; a pad query sees itself (no all-masked row)
+            mask = (mask & key_mask[:, None, :]) | torch.eye(W, dtype=torch.bool, device=ids.device)
+        return ForwardPass(ids, positions, mask[:, None], W - 1, W, "prefill", self, kv, 0)
 
     # --- Execution ---------------------------------------------------------------------------------
 

@@ -1,0 +1,222 @@
+"""Block-diffusion decoding (BD3-LM, arXiv:2503.09573): Fast-dLLM v2 (NVlabs/Fast-dLLM `v2/`,
+the checkpoint's `modeling.py` `generate`) and SDAR (JetAstra/SDAR `generate.py`, the evaluation's
+`huggingface_bd3.py`).
+
+Attention is bidirectional inside a block of `block_length` positions (aligned to position 0) and
+causal across blocks. The prompt's whole blocks run once (a block-causal prefill into the cache);
+its tail shares the first block. A block is denoised pass by pass, each pass running the block
+against the cache of the blocks before it; once it has no masks, one more pass over its final
+tokens writes its keys/values into the cache (the commit), exact from then on: no later pass
+changes them, so a finished block is never recomputed.
+
+Each pass unmasks, among the masks of the current block (Fast-dLLM v2: of its current sub-block of
+`sub_block_length`), every one whose confidence is above the threshold, and at least the schedule's
+count (1 without `steps`; SDAR's `low_confidence_dynamic`; with threshold 1 one token per pass), or
+with `steps` and no threshold exactly the schedule's count (SDAR's static rule: `steps` passes per
+block, the block's tokens split evenly, the remainder first).
+
+Fast-dLLM v2 keeps its AR parent's logit shift: the token at j is read from the output at j - 1, and
+a block's first token is the argmax of the commit pass's last output (an AR step). SDAR reads the
+token at j from the output at j. A row stops once a stop token has nothing masked before it (the
+references finish or store that block first; the tokens cannot differ, only the passes).
+
+Rows of a batch keep their own blocks (prompts of different lengths end at different offsets in their
+blocks); every pass is one block per row, packed as one ragged pass.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from kstep.decoding.base import DecodeBatch, Decoder
+from kstep.decoding.sampling import sample_tokens, suppress_stop_tokens
+from kstep.decoding.schedule import num_transfer_tokens
+from kstep.decoding.unmask import choose_top, confidence_rule
+from kstep.outputs import StepOutput
+from kstep.params import GenerationParams
+from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
+
+DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase
+
+
+@dataclass(slots=True, frozen=True)
+class BlockRules:
+    """What differs between the block-diffusion references."""
+    is_shifted: bool          # Fast-dLLM v2: the token at j from the output at j - 1; a commit gives the next first token
+    stores_after_stop: bool   # SDAR stores the block holding the stop (the tokens are the same without it)
+
+
+class BlockDiffusionDecoder(Decoder):
+    def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams, rules: BlockRules):
+        self.runner, self.params, self.rules = runner, params, rules
+        self.mask_id, self.stop_ids, self.generator = batch.mask_id, batch.stop_ids, batch.generator
+        self.include_canvas = batch.include_canvas
+        prompts, key_mask = batch.prompts, batch.key_mask
+        B, W = prompts.shape
+        bs, N = params.block_length, params.max_tokens
+        device = prompts.device
+        self.prompt_width = W
+        self.pads = (W - key_mask.sum(-1)) if key_mask is not None else torch.zeros(B, dtype=torch.long, device=device)
+        self.prompt_lengths = W - self.pads  # (B,)
+        # Slots = canvas columns: row b's position p sits at slot pads[b] + p. Room for the last block.
+        slots = W + N + 2 * bs
+        self.canvas = torch.full((B, slots), self.mask_id, dtype=torch.long, device=device)
+        self.canvas[:, :W] = prompts
+        self.real = torch.ones(B, slots, dtype=torch.bool, device=device)
+        if key_mask is not None:
+            self.real[:, :W] = key_mask
+        self.kv = runner.allocate_kv(B, slots)
+        self.block_starts = self.prompt_lengths // bs * bs  # (B,) position of each row's current block
+        self.phase = torch.full((B,), DENOISE, dtype=torch.long, device=device)
+        self.passes_in_block = torch.zeros(B, dtype=torch.long, device=device)
+        self.schedule = None if params.steps is None else \
+            num_transfer_tokens(torch.tensor([bs]), params.steps)[0].to(device)  # (steps,)
+        self.rule = confidence_rule(params.remasking)
+        self.needs_prefill = bool((self.prompt_lengths >= bs).any())
+        self.row_nfe = torch.zeros(B, dtype=torch.long, device=device)
+        self.nfe, self.is_finished = 0, False
+        self.lengths = [0] * B  # committed tokens reported per row
+
+    # --- the passes -------------------------------------------------------------------------------
+
+    def next_passes(self) -> list[ForwardPass]:
+        if self.is_finished:
+            return []
+        if self.needs_prefill:
+            W = self.prompt_width
+            key_mask = None if bool(self.real[:, :W].all()) else self.real[:, :W]
+            return [self.runner.block_prefill_pass(self.canvas[:, :W], key_mask, self.params.block_length, self.kv)]
+        bs = self.params.block_length
+        starts = self.pads + self.block_starts  # (B,) slot of each row's block
+        index = starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
+        ids = self.canvas.gather(1, index)
+        positions = self.block_starts[:, None] + torch.arange(bs, device=starts.device)
+        return [self.runner.ragged_causal_pass(ids, positions, starts, self.real, self.kv, is_causal=False,
+                                               kind="block")]
+
+    def update(self, logits: list[torch.Tensor]) -> StepOutput:
+        [logits] = logits
+        self.nfe += 1
+        if self.needs_prefill:
+            self._after_prefill(logits)
+        else:
+            active = self.phase != DONE
+            self.row_nfe += active
+            self._denoise(logits, active & (self.phase == DENOISE))
+            self._commit(logits, active & (self.phase == COMMIT))
+        self._update_phases()
+        return self._output()
+
+    def _after_prefill(self, logits: torch.Tensor) -> None:
+        """The prompt's whole blocks are cached. A shifted model's first token, when the prompt ends
+        on a block boundary, is the prefill's last output (an AR step, as Fast-dLLM v2)."""
+        self.needs_prefill = False
+        bs = self.params.block_length
+        had_blocks = self.prompt_lengths >= bs
+        self.row_nfe += had_blocks
+        if self.rules.is_shifted:
+            on_boundary = had_blocks & (self.prompt_lengths % bs == 0)
+            self._write_first_token(logits[:, -1], on_boundary, self.prompt_lengths)
+
+    def _write_first_token(self, last_logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Argmax of `last_logits` (B, V) at `positions` (B,) for `rows`, if within max_tokens."""
+        proposal = last_logits.clone()
+        proposal[:, self.mask_id] = float("-inf")
+        token = proposal.argmax(-1)
+        in_range = rows & (positions - self.prompt_lengths < self.params.max_tokens)
+        slot = (self.pads + positions).clamp(max=self.canvas.shape[1] - 1)
+        current = self.canvas.gather(1, slot[:, None]).squeeze(1)
+        self.canvas.scatter_(1, slot[:, None], torch.where(in_range, token, current)[:, None])
+
+    def _denoise(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
+        """One unmask step for `rows` given their block's logits (B, bs, V)."""
+        if not bool(rows.any()):
+            return
+        p, bs = self.params, self.params.block_length
+        starts = self.pads + self.block_starts
+        index = starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
+        block = self.canvas.gather(1, index)
+        if self.rules.is_shifted:  # the token at j from the output at j - 1; column 0 keeps its own
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], 1)
+        if p.min_tokens:
+            output_index = self.block_starts[:, None] + torch.arange(bs, device=starts.device) - \
+                self.prompt_lengths[:, None]
+            logits = suppress_stop_tokens(logits, self.stop_ids, output_index, p.min_tokens)
+        proposal = logits.clone()
+        proposal[..., self.mask_id] = float("-inf")  # a masked position must become a token
+        tokens = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, bs)
+        confidence = self.rule(logits, tokens, self.generator).float()
+        is_masked = (block == self.mask_id) & self._open_columns(block) & rows[:, None]
+        confidence = confidence.masked_fill(~is_masked, float("-inf"))
+        count = torch.ones_like(self.passes_in_block) if self.schedule is None else \
+            self.schedule[self.passes_in_block.clamp(max=len(self.schedule) - 1)]
+        count = torch.minimum(count, is_masked.sum(-1))
+        chosen = choose_top(confidence, count, bs)
+        if p.policy.kind == "threshold":
+            above = confidence > p.policy.value  # strict, as both references
+            chosen = torch.where((above.sum(-1) >= count)[:, None], above, chosen)
+        chosen &= is_masked
+        self.canvas.scatter_(1, index, torch.where(chosen, tokens, block))
+        self.passes_in_block += rows
+
+    def _open_columns(self, block: torch.Tensor) -> torch.Tensor:
+        """(B, bs) the columns a pass may unmask: the first sub-block that still has a mask."""
+        sub = self.params.sub_block_length
+        if sub >= block.shape[1]:
+            return torch.ones_like(block, dtype=torch.bool)
+        has_mask = (block == self.mask_id).view(block.shape[0], -1, sub).any(-1)  # (B, num_sub)
+        first = torch.where(has_mask.any(-1), has_mask.float().argmax(-1), 0)  # (B,)
+        return (torch.arange(block.shape[1], device=block.device) // sub) == first[:, None]
+
+    def _commit(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
+        """The commit pass wrote the finished block's exact keys/values; the next block begins (its first
+        token from this pass's last output when shifted)."""
+        if not bool(rows.any()):
+            return
+        bs = self.params.block_length
+        self.block_starts = torch.where(rows, self.block_starts + bs, self.block_starts)
+        self.passes_in_block = torch.where(rows, 0, self.passes_in_block)
+        self.phase = torch.where(rows, DENOISE, self.phase)
+        if self.rules.is_shifted:
+            self._write_first_token(logits[:, -1], rows, self.block_starts)
+
+    def _update_phases(self) -> None:
+        """Denoised blocks go to commit; a row is done once its completion is final."""
+        bs = self.params.block_length
+        starts = self.pads + self.block_starts
+        block = self.canvas.gather(1, starts[:, None] + torch.arange(bs, device=starts.device))
+        is_complete = ~(block == self.mask_id).any(-1)
+        done = self._is_final()  # a final row needs no commit: nothing after it is read
+        to_commit = (self.phase == DENOISE) & is_complete
+        self.phase = torch.where(done, DONE, torch.where(to_commit, COMMIT, self.phase))
+        if bool((self.phase == DONE).all()):
+            self.is_finished, self.kv = True, None
+
+    def _is_final(self) -> torch.Tensor:
+        """(B,) rows whose completion can no longer change: a stop token with nothing masked before it,
+        or max_tokens decided."""
+        completions = self.completions()
+        is_mask = completions == self.mask_id
+        N = completions.shape[1]
+        first_mask = torch.where(is_mask.any(-1), is_mask.float().argmax(-1), N)
+        is_stop = torch.isin(completions, self.stop_ids) if not self.params.ignore_eos else torch.zeros_like(is_mask)
+        first_stop = torch.where(is_stop.any(-1), is_stop.float().argmax(-1), N)
+        return (first_stop < first_mask) | (first_mask == N)
+
+    # --- results ----------------------------------------------------------------------------------
+
+    def completions(self) -> torch.Tensor:
+        """(B, max_tokens): each row's positions after its prompt (masks where not decided)."""
+        W = self.prompt_width  # every row's prompt ends there (left padding)
+        return self.canvas[:, W:W + self.params.max_tokens]
+
+    def _output(self) -> StepOutput:
+        completions = self.completions()
+        is_mask = completions == self.mask_id
+        N = completions.shape[1]
+        lengths = torch.where(is_mask.any(-1), is_mask.float().argmax(-1), N).tolist()
+        rows = completions.tolist()
+        new = [row[old:length] for row, old, length in zip(rows, self.lengths, lengths, strict=True)]
+        self.lengths = lengths
+        finished = (self.phase == DONE).tolist()
+        return StepOutput(new, lengths, finished, self.row_nfe.tolist(), self.nfe, self.is_finished,
+                          rows if self.include_canvas else None)

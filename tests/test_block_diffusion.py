@@ -1,0 +1,118 @@
+"""Block-diffusion families: Fast-dLLM v2 and SDAR checkpoints load from their published layouts,
+their forward matches an independent one from raw tensors, and kstep's decoder gives their
+reference samplers' tokens at temperature 0 (tests/block_reference.py: restatements checked against
+the published code) with no more forward passes; batches with left padding equal single runs."""
+import pytest
+import torch
+from block_reference import (
+    FIRST_SPECIAL_ID,
+    IM_END_ID,
+    MASK_ID,
+    ReferenceFastDllmV2,
+    ReferenceSDAR,
+    fast_dllm_v2_generate,
+    sdar_generate,
+    write_fast_dllm_v2_checkpoint,
+    write_sdar_checkpoint,
+)
+
+import kstep
+
+
+@pytest.fixture(scope="module")
+def v2_path(tmp_path_factory):
+    # The published config has no mask id (its samplers default to |<MASK>|); kstep reads one from
+    # config.json or the tokenizer; this tiny checkpoint has no tokenizer, so it is in config.json.
+    return write_fast_dllm_v2_checkpoint(tmp_path_factory.mktemp("v2"), mask_token_id=MASK_ID)
+
+
+@pytest.fixture(scope="module")
+def sdar_path(tmp_path_factory):
+    return write_sdar_checkpoint(tmp_path_factory.mktemp("sdar"))
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, FIRST_SPECIAL_ID, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def completion(ids: list[int], stop_ids) -> list[int]:
+    cut = next((i for i, t in enumerate(ids) if t in stop_ids), len(ids))
+    return ids[:cut]
+
+
+@pytest.mark.parametrize("family", ["fast_dllm_v2", "sdar"])
+def test_loads_and_matches_independent_forward(family, v2_path, sdar_path):
+    path, reference = (v2_path, ReferenceFastDllmV2) if family == "fast_dllm_v2" else (sdar_path, ReferenceSDAR)
+    llm = kstep.load(path)
+    assert llm.cfg.family == family and llm.is_diffusion and llm.cfg.mask_token_id == MASK_ID
+    ids = torch.tensor([prompt_ids(19, 0), prompt_ids(19, 1)])
+    pass_ = llm.runner.block_prefill_pass(ids, None, llm.cfg.block_size, llm.runner.allocate_kv(2, 19))
+    pass_.logits_from = 0  # every position's logits
+    torch.testing.assert_close(llm.runner.logits(pass_), reference(path)(ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("prompt_len,max_tokens,block,sub,threshold", [
+    (5, 24, 8, 4, 1.0),     # the prompt inside the first block; one token per pass
+    (13, 24, 8, 8, 0.9),    # a prefilled block and a tail
+    (16, 16, 8, 4, 0.6),    # the prompt ends on a block boundary: the first token is the prefill's (AR)
+    (11, 20, 4, 2, 0.9),
+])
+def test_fast_dllm_v2_matches_generate(v2_path, prompt_len, max_tokens, block, sub, threshold):
+    llm = kstep.load(v2_path)
+    ref = ReferenceFastDllmV2(v2_path)
+    prompt = prompt_ids(prompt_len, prompt_len)
+    expected, expected_nfe = fast_dllm_v2_generate(
+        ref, torch.tensor([prompt]), max_new_tokens=max_tokens + block, block_size=block, small_block_size=sub,
+        threshold=threshold, mask_id=MASK_ID, stop_token=IM_END_ID)
+    got = llm.generate(prompt, max_tokens=max_tokens, block_length=block, sub_block_length=sub,
+                       threshold=threshold)[0]
+    want = completion(expected[0, prompt_len:].tolist(), llm.stop_ids)[:max_tokens]
+    assert MASK_ID not in want
+    assert got.token_ids == want
+    assert got.nfe <= expected_nfe
+
+
+@pytest.mark.parametrize("prompt_len,max_tokens,block,steps,threshold", [
+    (6, 24, 4, 4, 1.0),     # the eval setting: block 4, 4 steps, static
+    (9, 20, 4, 4, 0.6),     # dynamic threshold
+    (8, 16, 8, 4, 1.0),     # two tokens per pass; the prompt fills a whole block
+    (10, 24, 8, 8, 0.9),
+])
+def test_sdar_matches_block_diffusion_generate(sdar_path, prompt_len, max_tokens, block, steps, threshold):
+    llm = kstep.load(sdar_path)
+    ref = ReferenceSDAR(sdar_path)
+    prompt = prompt_ids(prompt_len, prompt_len + 1)
+    expected, expected_nfe = sdar_generate(
+        ref, torch.tensor([prompt]), mask_id=MASK_ID, gen_length=max_tokens, block_length=block,
+        denoising_steps=steps, temperature=0.0, remasking_strategy="low_confidence", confidence_threshold=threshold,
+        stop_ids=llm.stop_ids, variant="opencompass")
+    knobs = {"threshold": threshold} if threshold < 1 else {}
+    got = llm.generate(prompt, max_tokens=max_tokens, block_length=block, steps=steps, **knobs)[0]
+    want = completion(expected[0, prompt_len:].tolist(), llm.stop_ids)[:max_tokens]
+    assert MASK_ID not in want
+    assert got.token_ids == want
+    assert got.nfe <= expected_nfe
+
+
+@pytest.mark.parametrize("family", ["fast_dllm_v2", "sdar"])
+def test_left_padded_batch_equals_single_runs(family, v2_path, sdar_path):
+    llm = kstep.load(v2_path if family == "fast_dllm_v2" else sdar_path)
+    prompts = [prompt_ids(n, n) for n in (3, 9, 14, 8)]
+    knobs = dict(max_tokens=20, threshold=0.7)
+    batch = llm.generate(prompts, **knobs)
+    for prompt, got in zip(prompts, batch, strict=True):
+        alone = llm.generate(prompt, **knobs)[0]
+        assert got.token_ids == alone.token_ids and got.nfe == alone.nfe
+
+
+def test_block_defaults_and_refused_knobs(v2_path):
+    llm = kstep.load(v2_path)
+    params = llm.resolve(kstep.GenerationParams(max_tokens=20))
+    assert params.block_length == 8 and params.sub_block_length == 8  # bd_size; v2's small_block_size (8)
+    assert params.policy.kind == "threshold" and params.policy.value == 0.9
+    exact = llm.resolve(kstep.GenerationParams(max_tokens=20, exact=True))
+    assert exact.policy.kind == "fixed" and exact.steps == 8  # one token per pass
+    with pytest.raises(ValueError, match="cache"):
+        llm.generate([5, 6], max_tokens=8, cache="dual")
+    with pytest.raises(ValueError, match="steps"):
+        llm.generate([5, 6], max_tokens=8, steps=9)
