@@ -124,6 +124,13 @@ class LLM:
                              "which only the sampler may place")
         return ids
 
+    def heal(self, ids: list[int], params: GenerationParams, is_text: bool) -> tuple[list[int], str, list[int]]:
+        """Token healing of a text prompt's ids (Tokenizer.heal) when the params ask for it: (ids, the
+        text given back, the ids the first token may take); token-id prompts are taken as they are."""
+        if not params.token_healing or not is_text or self.tokenizer is None:
+            return ids, "", []
+        return self.tokenizer.heal(ids)
+
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the checkpoint's chat template."""
         if self.tokenizer is None:
@@ -158,9 +165,11 @@ class LLM:
             params = replace(params, **overrides)
         params = self.resolve(params)
         is_single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
-        batch = [self.encode_prompt(p) for p in ([prompts] if is_single else prompts)]
+        items = [prompts] if is_single else prompts
+        healed = [self.heal(self.encode_prompt(p), params, isinstance(p, str)) for p in items]
+        batch = [ids for ids, _, _ in healed]
         start = time.perf_counter()
-        decoder = make_decoder(self, batch, params)
+        decoder = make_decoder(self, batch, params, first_tokens=[allowed for _, _, allowed in healed])
         timings: dict[str, float] = {}
         if self.is_diffusion:
             timings = {"full_pass_seconds": 0.0, "window_pass_seconds": 0.0, "num_full_passes": 0,
@@ -169,9 +178,11 @@ class LLM:
         seconds = time.perf_counter() - start
         timings = {"decode_seconds": seconds, **timings, "batch_passes": decoder.nfe, **decoder.stats()}
         results = []
-        for prompt, row, nfe in zip(batch, rows, row_nfe, strict=True):
+        for prompt, (_, given_back, _), row, nfe in zip(batch, healed, rows, row_nfe, strict=True):
             tokens, reason = self.cut_at_stop(row)
             text = self.tokenizer.decode(tokens) if self.tokenizer else None
+            if text is not None and given_back and text.startswith(given_back):
+                text = text[len(given_back):]  # it was the prompt's: the completion is what follows
             results.append(GenerationResult(tokens, reason, nfe, seconds, len(prompt), text, dict(timings)))
         return results
 

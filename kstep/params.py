@@ -81,6 +81,8 @@ class GenerationParams:
                                               "sub-block of this many tokens (default 8)", ("fast_dllm_v2",))
     early_stop: bool = knob(True, "diffusion: stop a row once an end-of-sequence token has nothing masked "
                                   "before it (an AR row always stops at its end-of-sequence token)")
+    token_healing: bool = knob(True, "a text prompt ending mid-token (a trailing newline or space) backs up to the "
+                                     "last token boundary; the first token must start with the text given back")
     ignore_eos: bool = knob(False, "always produce max tokens: no stop at end-of-sequence")
     min_tokens: int = knob(0, "no end-of-sequence or stop token among the first N tokens (vLLM's min_tokens)")
     num_draft_tokens: int | None = knob(None, "draft tokens per target pass with a draft loaded "
@@ -106,7 +108,7 @@ class GenerationParams:
         _check_number("alg_temp", self.alg_temp, 0)
         _check_number("eps", self.eps, 0, 1, exclusive_low=True)
         _check_int("num_draft_tokens", self.num_draft_tokens, 0, 16, "[0, 16]")
-        for name in ("exact", "early_stop", "ignore_eos"):
+        for name in ("exact", "early_stop", "ignore_eos", "token_healing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, allowed in (("remasking", REMASKING_RULES), ("cache", CACHE_MODES)):

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+import torch
+
 from kstep.decoding.autoregressive import AutoregressiveDecoder
 from kstep.decoding.base import DecodeBatch, Decoder
 from kstep.decoding.block_diffusion import BlockDiffusionDecoder, BlockRules
@@ -105,14 +107,23 @@ def family_for(raw: dict) -> Family:
 
 
 def make_decoder(llm: "LLM", rows: list[list[int]], params: GenerationParams,
-                 prefix_cache: PrefixCache | None = None, include_canvas: bool = False) -> Decoder:
+                 prefix_cache: PrefixCache | None = None, include_canvas: bool = False,
+                 first_tokens: list[list[int]] | None = None) -> Decoder:
     """The decoder of `llm`'s family for encoded prompts `rows` (left-padded into one batch) under
-    resolved `params`; stepped alone by `LLM.generate`, or with other requests by the engine."""
+    resolved `params`; stepped alone by `LLM.generate`, or with other requests by the engine.
+    `first_tokens`: per row, the ids its first token may take (token healing; [] = any)."""
     if not params.is_resolved:
         raise RuntimeError("internal: params reach a decoder resolved (GenerationParams.resolve, at the edge)")
     llm.check_fits(rows, params)
+    first_allowed = None
+    if first_tokens and any(first_tokens):
+        first_allowed = torch.ones(len(rows), llm.cfg.vocab_size, dtype=torch.bool)
+        for row, allowed in enumerate(first_tokens):
+            if allowed:
+                first_allowed[row] = False
+                first_allowed[row, allowed] = True
     batch = DecodeBatch.from_prompts(rows, llm.pad_id, llm.stop_ids, llm.cfg.mask_token_id, llm.device, params.seed,
-                                     include_canvas)
+                                     include_canvas, first_allowed)
     resources = DecoderResources(prefix_cache, llm.draft.runner if hasattr(llm.draft, "runner") else llm.draft)
     return llm.family.decoder(llm.runner, batch, params, resources)
 

@@ -33,6 +33,7 @@ class Tokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
         self.special = {name: _token_text(self.config.get(name)) for name in ("bos_token", "eos_token", "pad_token")}
+        self._texts: list[str] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -58,6 +59,30 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def heal(self, ids: list[int]) -> tuple[list[int], str, list[int]]:
+        """Token healing (Microsoft guidance; Lundberg 2023): a prompt ending mid-token (a trailing
+        newline or space, which byte-level BPE merges with what follows) ends on a boundary the model
+        rarely saw. Back up over the last token when a longer token starts with its text: returns
+        (the shorter ids, the text given back, the ids the first generated token may take: those whose
+        text starts with it). A prompt whose last token no longer token extends is unchanged ("", [])."""
+        if len(ids) < 2 or ids[-1] in self._special_ids():
+            return ids, "", []
+        texts = self._token_texts()
+        removed = texts[ids[-1]]
+        allowed = [i for i, text in enumerate(texts) if text.startswith(removed)] if removed else []
+        if len(allowed) < 2:
+            return ids, "", []
+        return ids[:-1], removed, allowed
+
+    def _special_ids(self) -> set[int]:
+        return {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
+
+    def _token_texts(self) -> list[str]:
+        """Each id's text (built once): what healing compares."""
+        if self._texts is None:
+            self._texts = [self._tok.decode([i], skip_special_tokens=False) for i in range(self.vocab_size)]
+        return self._texts
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render messages with the checkpoint's chat template (HF semantics: trim/lstrip blocks)."""

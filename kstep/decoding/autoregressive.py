@@ -8,7 +8,7 @@ AR requests the same way.
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder
-from kstep.decoding.sampling import sample_tokens, suppress_stop_tokens
+from kstep.decoding.sampling import constrain_outputs, sample_tokens
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
@@ -23,6 +23,7 @@ class AutoregressiveDecoder(Decoder):
         prompts, key_mask = batch.prompts, batch.key_mask
         stop_ids, pad_id, generator = batch.stop_ids, batch.pad_id, batch.generator
         self.runner, self.params, self.prompts = runner, params, prompts
+        self.first_allowed = batch.first_allowed
         # Prefix caching needs every row to hold the same unpadded prompt (one prompt, n samples).
         same_rows = key_mask is None and bool((prompts == prompts[:1]).all())
         self.prefix_cache = prefix_cache if same_rows else None
@@ -66,8 +67,7 @@ class AutoregressiveDecoder(Decoder):
         if self.num_generated == 0 and self.prefix_cache is not None:
             self.prefix_cache.store(self.prompts[0].tolist(), self.kv)
         logits = logits[:, -1:]
-        if self.num_generated < p.min_tokens:
-            logits = suppress_stop_tokens(logits, self.stop_ids, self.num_generated, p.min_tokens)
+        logits = constrain_outputs(logits, self.num_generated, self.stop_ids, p.min_tokens, self.first_allowed)
         token = sample_tokens(logits[:, -1], p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
         token = torch.where(self.finished, self.pad_id, token)
         self.out[:, self.num_generated] = token

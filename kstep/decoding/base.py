@@ -25,10 +25,12 @@ class DecodeBatch:
     mask_id: int | None                # diffusion families
     generator: torch.Generator | None  # seeded sampling
     include_canvas: bool = False       # report every position each step (`StepOutput.canvas`)
+    first_allowed: torch.Tensor | None = None  # (B, V) bool: token healing's first tokens per row
 
     @classmethod
     def from_prompts(cls, rows: list[list[int]], pad_id: int, stop_ids: list[int], mask_id: int | None,
-                     device: torch.device, seed: int | None = None, include_canvas: bool = False) -> "DecodeBatch":
+                     device: torch.device, seed: int | None = None, include_canvas: bool = False,
+                     first_allowed: torch.Tensor | None = None) -> "DecodeBatch":
         width = max(len(ids) for ids in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         key_mask = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -38,7 +40,8 @@ class DecodeBatch:
         has_padding = not bool(key_mask.all())
         generator = None if seed is None else torch.Generator(device).manual_seed(seed)
         return cls(ids.to(device), key_mask.to(device) if has_padding else None,
-                   torch.tensor(stop_ids or [-1], device=device), pad_id, mask_id, generator, include_canvas)
+                   torch.tensor(stop_ids or [-1], device=device), pad_id, mask_id, generator, include_canvas,
+                   None if first_allowed is None else first_allowed.to(device))
 
     @property
     def num_rows(self) -> int:

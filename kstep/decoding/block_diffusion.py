@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder
-from kstep.decoding.sampling import sample_tokens, suppress_stop_tokens
+from kstep.decoding.sampling import constrain_outputs, sample_tokens
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.unmask import choose_top, confidence_rule
 from kstep.outputs import StepOutput
@@ -49,7 +49,7 @@ class BlockDiffusionDecoder(Decoder):
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams, rules: BlockRules):
         self.runner, self.params, self.rules = runner, params, rules
         self.mask_id, self.stop_ids, self.generator = batch.mask_id, batch.stop_ids, batch.generator
-        self.include_canvas = batch.include_canvas
+        self.include_canvas, self.first_allowed = batch.include_canvas, batch.first_allowed
         prompts, key_mask = batch.prompts, batch.key_mask
         B, W = prompts.shape
         bs, N = params.block_length, params.max_tokens
@@ -137,10 +137,8 @@ class BlockDiffusionDecoder(Decoder):
         block = self.canvas.gather(1, index)
         if self.rules.is_shifted:  # the token at j from the output at j - 1; column 0 keeps its own
             logits = torch.cat([logits[:, :1], logits[:, :-1]], 1)
-        if p.min_tokens:
-            output_index = self.block_starts[:, None] + torch.arange(bs, device=starts.device) - \
-                self.prompt_lengths[:, None]
-            logits = suppress_stop_tokens(logits, self.stop_ids, output_index, p.min_tokens)
+        output_index = self.block_starts[:, None] + torch.arange(bs, device=starts.device) - self.prompt_lengths[:, None]
+        logits = constrain_outputs(logits, output_index, self.stop_ids, p.min_tokens, self.first_allowed)
         proposal = logits.clone()
         proposal[..., self.mask_id] = float("-inf")  # a masked position must become a token
         tokens = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, bs)

@@ -28,7 +28,7 @@ import torch
 
 from kstep.decoding.base import prefix_step_output
 from kstep.decoding.masked_diffusion import DiffusionDecoder, fill_after_stop
-from kstep.decoding.sampling import suppress_stop_tokens
+from kstep.decoding.sampling import constrain_outputs
 from kstep.decoding.unmask import choose_threshold, choose_top
 from kstep.outputs import StepOutput
 from kstep.runner.model_runner import ForwardPass
@@ -126,9 +126,8 @@ class DreamDecoder(DiffusionDecoder):
         start, end = self.block
         block = self.canvas[:, start:end]
         columns = self.columns
-        if p.min_tokens:
-            logits = suppress_stop_tokens(logits, self.stop_ids, (start - self.prompt_len + columns)[None],
-                                          p.min_tokens)
+        logits = constrain_outputs(logits, (start - self.prompt_len + columns)[None], self.stop_ids, p.min_tokens,
+                                   self.first_allowed)
         tokens, scores = dream_scores(logits, p, self.mask_id, self.generator)  # (B, t) each
         candidates = torch.zeros_like(block).index_copy_(1, columns, tokens)
         confidence = torch.full(block.shape, float("-inf"), dtype=scores.dtype, device=block.device)

@@ -25,7 +25,7 @@ serving engine.
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, prefix_step_output
-from kstep.decoding.sampling import sample_tokens, suppress_stop_tokens
+from kstep.decoding.sampling import constrain_outputs, sample_tokens
 from kstep.decoding.unmask import confidence_rule, make_policy
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
@@ -52,7 +52,7 @@ class DiffusionDecoder(Decoder):
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams):
         self.params = p = params
         self.runner, self.mask_id, self.stop_ids, self.generator = runner, batch.mask_id, batch.stop_ids, batch.generator
-        self.include_canvas = batch.include_canvas
+        self.include_canvas, self.first_allowed = batch.include_canvas, batch.first_allowed
         prompts, key_mask, mask_id = batch.prompts, batch.key_mask, batch.mask_id
         B, P = prompts.shape
         self.prompt_len = P
@@ -121,9 +121,8 @@ class DiffusionDecoder(Decoder):
         # still scored on the unmodified logits, as the references do.
         proposal = logits.clone()
         proposal[..., self.mask_id] = float("-inf")
-        if p.min_tokens:
-            proposal = suppress_stop_tokens(proposal, self.stop_ids, (start - self.prompt_len + columns)[None],
-                                            p.min_tokens)
+        proposal = constrain_outputs(proposal, (start - self.prompt_len + columns)[None], self.stop_ids, p.min_tokens,
+                                     self.first_allowed)
         picked = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, t)
         picked_confidence = self.rule(logits, picked, self.generator)  # (B, t)
         # Back to the whole block: positions without logits are unmasked already in every row.

@@ -67,3 +67,21 @@ def suppress_stop_tokens(logits: torch.Tensor, stop_ids: torch.Tensor, output_in
     stop = logits[..., stop_ids]
     logits[..., stop_ids] = torch.where(early[..., None], float("-inf"), stop)
     return logits
+
+
+def constrain_outputs(logits: torch.Tensor, output_index: torch.Tensor | int, stop_ids: torch.Tensor,
+                      min_tokens: int, first_allowed: torch.Tensor | None) -> torch.Tensor:
+    """The rules on what completion positions may hold, for logits (B, T, V) of completion tokens
+    number `output_index` (an int, or broadcastable to (B, T)): vLLM's min_tokens (no stop token
+    before it), and token healing's constraint on the first token (`first_allowed` (B, V) bool: the
+    tokens that start with the text the prompt gave back)."""
+    if min_tokens:
+        logits = suppress_stop_tokens(logits, stop_ids, output_index, min_tokens)
+    if first_allowed is None:
+        return logits
+    if isinstance(output_index, int):
+        return logits if output_index else logits.masked_fill(~first_allowed[:, None, :], float("-inf"))
+    is_first = (torch.as_tensor(output_index, device=logits.device) == 0).expand(logits.shape[:2])  # (B, T)
+    if not bool(is_first.any()):
+        return logits
+    return logits.masked_fill(is_first[..., None] & ~first_allowed[:, None, :], float("-inf"))

@@ -18,7 +18,7 @@ import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder
 from kstep.decoding.drafters import NGRAM, ModelDrafter, NgramDrafter
-from kstep.decoding.sampling import sample_tokens, sampling_probs, suppress_stop_tokens
+from kstep.decoding.sampling import constrain_outputs, sample_tokens, sampling_probs
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
@@ -64,6 +64,7 @@ class SpeculativeDecoder(Decoder):
         prompts, key_mask, stop_ids = batch.prompts, batch.key_mask, batch.stop_ids
         pad_id, generator = batch.pad_id, batch.generator
         self.runner, self.params, self.generator = runner, params, generator
+        self.first_allowed = batch.first_allowed
         self.prompts, self.key_mask, self.pad_id = prompts, key_mask, pad_id
         self.stop_ids = set(stop_ids.tolist()) if not params.ignore_eos else set()
         self.stop_tensor = stop_ids
@@ -128,10 +129,10 @@ class SpeculativeDecoder(Decoder):
         logits = logits[-1]
         p = self.params
         self.nfe += 1
-        if p.min_tokens:
+        if p.min_tokens or self.first_allowed is not None:
             generated = torch.tensor([[len(o)] for o in self.out], device=logits.device)  # (B, 1)
             index = generated + torch.arange(logits.shape[1], device=logits.device)  # (B, T)
-            logits = suppress_stop_tokens(logits, self.stop_tensor, index, p.min_tokens)
+            logits = constrain_outputs(logits, index, self.stop_tensor, p.min_tokens, self.first_allowed)
         if self.drafts is None:
             new = [[t] for t in sample_tokens(logits[:, -1], p.temperature, self.generator, p.top_k, p.top_p).tolist()]
         else:

@@ -74,12 +74,13 @@ class Engine:
         """Create the request's decoder (allocates its KV cache); a failure fails only this request."""
         try:
             request.decoder = make_decoder(self.llm, request.rows, request.params, self.prefix_cache,
-                                           request.include_canvas)
+                                           request.include_canvas, request.per_row(request.first_tokens))
         except (ValueError, RuntimeError) as e:  # e.g. out of memory for its cache
             self.scheduler.finish(request)
             return RequestOutput(request.request_id, [], 0, is_finished=True, error=str(e))
-        self.streams[request.request_id] = [TextStream(self.llm.tokenizer, self.llm.stop_ids, request.stop)
-                                            for _ in range(request.num_rows)]
+        given_back = request.per_row(request.given_back) or [""] * request.num_rows
+        self.streams[request.request_id] = [TextStream(self.llm.tokenizer, self.llm.stop_ids, request.stop, text)
+                                            for text in given_back]
         return None
 
     def _drop_streams_of_aborted(self, batch: list[Request]) -> None:

@@ -20,6 +20,8 @@ class Request:
     n: int = 1
     stop: list[str] = field(default_factory=list)
     include_canvas: bool = False
+    given_back: list[str] = field(default_factory=list)       # per prompt: text token healing took off its end
+    first_tokens: list[list[int]] = field(default_factory=list)  # per prompt: the ids its first token may take
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival_time: float = field(default_factory=time.monotonic)
     decoder: Any = None              # created when the request is admitted; dropped when it finishes
@@ -44,6 +46,10 @@ class Request:
     @property
     def rows(self) -> list[list[int]]:
         return [prompt for prompt in self.prompts for _ in range(self.n)]
+
+    def per_row(self, values: list) -> list:
+        """A per-prompt list repeated for the request's rows (empty stays empty)."""
+        return [value for value in values for _ in range(self.n)]
 
 
 @dataclass(slots=True)

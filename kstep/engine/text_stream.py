@@ -22,8 +22,10 @@ def _held_back(text: str, stop: list[str]) -> int:
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer | None, stop_ids: list[int], stop: list[str]):
-        self.tokenizer, self.stop_ids, self.stop = tokenizer, set(stop_ids), stop
+    def __init__(self, tokenizer: Tokenizer | None, stop_ids: list[int], stop: list[str], given_back: str = ""):
+        """`given_back`: text token healing took off the prompt; the first token starts with it, and it
+        is not the completion's."""
+        self.tokenizer, self.stop_ids, self.stop, self.given_back = tokenizer, set(stop_ids), stop, given_back
         self.sent_text, self.num_sent_ids = "", 0
         self.finish_reason: str | None = None
         self.num_tokens = 0
@@ -42,6 +44,8 @@ class TextStream:
                 ids, reason = committed[:i], "stop"
                 break
         text = self._decode(ids)
+        if self.given_back:
+            text = text[len(self.given_back):] if text.startswith(self.given_back) else ""
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             text, reason = text[:cut], "stop"

@@ -96,7 +96,9 @@ class Routes:
             "id": self.config.model_name, "object": "model", "created": 0, "owned_by": "kstep",
             "kind": llm.kind, "family": llm.cfg.family, "max_model_len": llm.cfg.max_positions}]}
 
-    def _prepare(self, body: SamplingFields, prompts: list[list[int]], default_max_tokens: int) -> EngineRequest:
+    def _prepare(self, body: SamplingFields, prompts: list[list[int]], is_text: list[bool],
+                 default_max_tokens: int) -> EngineRequest:
+        """Params resolved for the model, text prompts token-healed, the context checked."""
         llm, config = self.llm, self.config
         if body.model != config.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {config.model_name!r}",
@@ -108,6 +110,8 @@ class Routes:
             stop = body.stop_strings()
         except ValueError as e:
             raise APIError(400, str(e), param_named_in(str(e), set(SamplingFields.model_fields))) from None
+        healed = [llm.heal(ids, params, text) for ids, text in zip(prompts, is_text, strict=True)]
+        prompts = [ids for ids, _, _ in healed]
         longest = max(len(p) for p in prompts)
         try:
             llm.check_fits(prompts, params)
@@ -115,7 +119,8 @@ class Routes:
             raise APIError(400, f"{e} tokens", "prompt" if longest >= llm.cfg.max_positions else "max_tokens",
                            "context_length_exceeded") from None
         include_canvas = bool(body.stream_options and body.stream_options.include_canvas)
-        return EngineRequest(prompts, params, body.n, stop, include_canvas and body.stream)
+        return EngineRequest(prompts, params, body.n, stop, include_canvas and body.stream,
+                             given_back=[text for _, text, _ in healed], first_tokens=[ids for _, _, ids in healed])
 
     def _encode(self, prompt) -> list[int]:
         try:
@@ -134,7 +139,7 @@ class Routes:
         tokenizer = self.llm.tokenizer
         echo = [(p if isinstance(p, str) else tokenizer.decode(ids) if tokenizer else "") if body.echo else ""
                 for p, ids in zip(items, prompts, strict=True)]
-        engine_request = self._prepare(body, prompts, 16)
+        engine_request = self._prepare(body, prompts, [isinstance(p, str) for p in items], 16)
         return await self._respond(request, engine_request, body, chat=False,
                                    prefixes=[echo[i // body.n] for i in range(engine_request.num_rows)])
 
@@ -146,7 +151,7 @@ class Routes:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:  # a template error is the request's fault (its messages), not the server's
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
-        engine_request = self._prepare(body, [prompt], self.config.default_max_tokens)
+        engine_request = self._prepare(body, [prompt], [True], self.config.default_max_tokens)
         return await self._respond(request, engine_request, body, chat=True,
                                    prefixes=[""] * engine_request.num_rows)
 
