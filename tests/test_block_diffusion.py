@@ -116,3 +116,28 @@ def test_block_defaults_and_refused_knobs(v2_path):
         llm.generate([5, 6], max_tokens=8, cache="dual")
     with pytest.raises(ValueError, match="steps"):
         llm.generate([5, 6], max_tokens=8, steps=9)
+
+
+def test_engine_packs_block_requests_and_streams_the_committed_prefix(v2_path):
+    """Requests joining at different steps share passes; each gets what it gets alone, and what is
+    streamed is only ever the committed prefix (never retracted)."""
+    from kstep.engine.engine import Engine
+    from kstep.engine.request import Request
+    llm = kstep.load(v2_path)
+    prompts = [prompt_ids(5, 1), prompt_ids(12, 2), prompt_ids(9, 3)]
+    alone = [llm.generate(p, max_tokens=16, threshold=0.8)[0].token_ids for p in prompts]
+    engine = Engine(llm)
+    requests = [Request([p], kstep.GenerationParams(max_tokens=16, threshold=0.8)) for p in prompts]
+    streamed = {r.request_id: [] for r in requests}
+    step = 0
+    while step == 0 or engine.has_work():
+        if step < len(requests):
+            engine.add_request(requests[step])  # one joins per step
+        outputs, _ = engine.step()
+        for out in outputs:
+            for choice in out.choices:
+                streamed[out.request_id] += choice.token_ids
+        step += 1
+    for request, expected in zip(requests, alone, strict=True):
+        assert completion(request.output_ids[0], llm.stop_ids) == expected
+        assert streamed[request.request_id] == expected

@@ -26,7 +26,10 @@ def add_eval(sub) -> None:
 
 def run_eval_command(args: argparse.Namespace) -> int:
     from kstep.bench.prompts import prompt_rows
-    from kstep.eval.run import default_settings, format_table, run_eval
+    from kstep.bundled import resolve_model
+    from kstep.eval.run import block_settings, default_settings, format_table, run_eval
+    from kstep.registry import BLOCK_DIFFUSION, FAMILIES
+    from kstep.weights import read_model_config
     n = args.max_tokens or (64 if args.quick else 128)
     if n <= 0 or args.block_length <= 0 or args.batch_size <= 0:
         raise ValueError("--max-tokens, --block-length and --batch-size must be positive")
@@ -37,7 +40,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if any(not 0 < t <= 1 for t in thresholds):
         raise ValueError(f"--thresholds {args.thresholds!r}: each must be in (0, 1]")
     rows = prompt_rows(args.prompts, args.num_prompts or (16 if args.quick else None))
-    settings = default_settings(n, args.block_length, thresholds)
+    is_block = FAMILIES[read_model_config(resolve_model(args.model)).family].kind == BLOCK_DIFFUSION
+    settings = block_settings(thresholds) if is_block else default_settings(n, args.block_length, thresholds)
     result = run_eval(args.model, args.ar_model, args.judge or args.ar_model, rows, n, settings, args.batch_size,
                       Path(args.out), args.device, args.dtype)
     print(format_table(result))

@@ -44,6 +44,15 @@ def default_settings(n: int, block_length: int, thresholds=(0.5, 0.7, 0.9)) -> l
     return out
 
 
+def block_settings(thresholds=(0.5, 0.7, 0.9)) -> list[Setting]:
+    """For a block-diffusion model: one token per pass (the exact schedule), each threshold (the
+    model's own block size), and AR."""
+    out = [Setting("block exact", "block diffusion K", True, {"exact": True})]
+    out += [Setting(f"block threshold={tau}", "block diffusion threshold", True, {"threshold": tau})
+            for tau in thresholds]
+    return out + [Setting("ar", "ar", False, {})]
+
+
 def score(row: dict, text: str, token_ids: list[int], judge: LLM) -> dict:
     """Quality of one completion of one prompt row."""
     prompt = row["prompt"]
@@ -81,6 +90,7 @@ def run_eval(diffusion_model: str, ar_model: str, judge_model: str, rows: list[d
                                    "text": o.text, **score(row, o.text or "", o.token_ids, judge)})
         summary = {"setting": setting.name, "family": setting.family, "settings": setting.settings,
                    "prompts": len(per_prompt), "mean_nfe": mean_of([p["nfe"] for p in per_prompt]),
+                   "tokens_per_pass": sum(p["tokens"] for p in per_prompt) / max(1, sum(p["nfe"] for p in per_prompt)),
                    "parse_rate": mean_of([p["parses"] for p in per_prompt]),
                    "judge_nll": mean_of([p["judge_nll"] for p in per_prompt]),
                    "distinct_ratio": mean_of([p["distinct_ratio"] for p in per_prompt]),
@@ -133,12 +143,13 @@ def _fmt(value, spec: str) -> str:
 
 
 def format_row(r: dict) -> str:
-    return (f"| {r['setting']} | {_fmt(r['mean_nfe'], '.1f')} | {_fmt(r['parse_rate'], '.2f')} | "
+    return (f"| {r['setting']} | {_fmt(r['mean_nfe'], '.1f')} | {_fmt(r.get('tokens_per_pass'), '.2f')} | "
+            f"{_fmt(r['parse_rate'], '.2f')} | "
             f"{_fmt(r['judge_nll'], '.3f')} | {_fmt(r['distinct_ratio'], '.2f')} | {_fmt(r['exact_match'], '.2f')} | "
             f"{_fmt(r['edit_distance'], '.2f')} | {_fmt(r['pass_at_1'], '.2f')} |")
 
 
 def format_table(result: dict) -> str:
-    lines = ["| setting | passes | parse rate | judge NLL | distinct | exact match | edit distance | pass@1 |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| setting | passes | tokens/pass | parse rate | judge NLL | distinct | exact match | edit distance | "
+             "pass@1 |", "|---|---|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [format_row(r) for r in result["results"]])
