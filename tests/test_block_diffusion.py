@@ -141,3 +141,15 @@ def test_engine_packs_block_requests_and_streams_the_committed_prefix(v2_path):
     for request, expected in zip(requests, alone, strict=True):
         assert completion(request.output_ids[0], llm.stop_ids) == expected
         assert streamed[request.request_id] == expected
+
+
+def test_bench_compare_sides_follow_the_model_kind(v2_path):
+    from kstep.bench.compare import SIDES, default_sides, floor_cost, params_for
+    assert default_sides("block-diffusion") == ["block exact", "block threshold", "ar"]
+    assert "diffusion exact" in default_sides("diffusion") and "block exact" not in default_sides("diffusion")
+    llm = kstep.load(v2_path)
+    for name in ("block exact", "block threshold"):  # the model's own block size, no canvas knobs
+        assert llm.resolve(params_for(SIDES[name], 24, 32)).block_length == 8
+    exact = floor_cost(llm, SIDES["block exact"], 10, 64, 72, 32, 4)
+    fewer = floor_cost(llm, SIDES["block threshold"], 10, 64, 20, 32, 4)
+    assert fewer.flops < exact.flops  # the floor follows the passes a side needed

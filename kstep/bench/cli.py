@@ -79,15 +79,20 @@ def _add_compare(kinds) -> None:
 
 
 def run_compare_command(args: argparse.Namespace) -> int:
-    from kstep.bench.compare import SIDES, format_table, run_compare
+    from kstep.bench.compare import SIDES, default_sides, format_table, run_compare
     from kstep.bench.cost_model import Device
     from kstep.bench.prompts import prompt_rows
+    from kstep.bundled import resolve_model
+    from kstep.registry import FAMILIES
+    from kstep.weights import read_model_config
     set_threads(args.threads)
     lengths = positive_ints("--lengths", args.lengths or ("16,64,256" if args.quick else "16,64,256,1024"))
-    sides = [s.strip() for s in (args.sides or ",".join(SIDES)).split(",")]
-    bad = [s for s in sides if s not in SIDES]
+    kind = FAMILIES[read_model_config(resolve_model(args.diffusion_model)).family].kind
+    allowed = default_sides(kind)
+    sides = [s.strip() for s in args.sides.split(",")] if args.sides else allowed
+    bad = [s for s in sides if s not in allowed]
     if bad:
-        raise ValueError(f"--sides: {bad[0]!r} is not a side (choose from {', '.join(SIDES)})")
+        raise ValueError(f"--sides: {bad[0]!r} is not a side for a {kind} model (choose from {', '.join(allowed)})")
     check_positive(args, "repeats")
     calibration = None
     if (args.bandwidth_gbs is None) != (args.matmul_tflops is None):

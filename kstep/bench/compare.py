@@ -36,7 +36,7 @@ from kstep.bench.cost_model import (
 from kstep.llm import LLM, load
 from kstep.registry import make_decoder
 from kstep.runner.model_runner import execute_passes
-from kstep.params import GenerationParams
+from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, GenerationParams
 
 GRID = [2 ** k for k in range(3, 13)]  # 8 .. 4096: where floors and crossovers are predicted
 
@@ -44,21 +44,33 @@ GRID = [2 ** k for k in range(3, 13)]  # 8 .. 4096: where floors and crossovers 
 @dataclass(frozen=True, slots=True)
 class Side:
     name: str
-    is_diffusion: bool
+    kind: str            # the family kind the side runs on (the diffusion model's, or autoregressive)
     settings: dict
+
+    @property
+    def is_diffusion(self) -> bool:
+        return self.kind != AUTOREGRESSIVE
 
 
 SIDES = {
-    "diffusion exact": Side("diffusion exact", True, {"exact": True}),
-    "diffusion dual+threshold": Side("diffusion dual+threshold", True, {"cache": "dual", "threshold": 0.9}),
-    "diffusion dual K=N/4": Side("diffusion dual K=N/4", True, {"cache": "dual", "steps_per_token": 0.25}),
-    "ar": Side("ar", False, {}),
+    "diffusion exact": Side("diffusion exact", DIFFUSION, {"exact": True}),
+    "diffusion dual+threshold": Side("diffusion dual+threshold", DIFFUSION, {"cache": "dual", "threshold": 0.9}),
+    "diffusion dual K=N/4": Side("diffusion dual K=N/4", DIFFUSION, {"cache": "dual", "steps_per_token": 0.25}),
+    # a block-diffusion model: its own block size, the exact cache of finished blocks
+    "block exact": Side("block exact", BLOCK_DIFFUSION, {"exact": True}),
+    "block threshold": Side("block threshold", BLOCK_DIFFUSION, {"threshold": 0.9}),
+    "ar": Side("ar", AUTOREGRESSIVE, {}),
 }
+
+
+def default_sides(diffusion_kind: str) -> list[str]:
+    """The sides that run on a diffusion model of this kind, and AR."""
+    return [name for name, side in SIDES.items() if side.kind in (diffusion_kind, AUTOREGRESSIVE)]
 
 
 def params_for(side: Side, n: int, block_length: int) -> GenerationParams:
     settings = dict(side.settings)
-    if side.is_diffusion:
+    if side.kind == DIFFUSION:
         settings["block_length"] = block = min(block_length, n)
         if "steps_per_token" in settings:  # K = N * fraction, rounded to whole passes per block
             blocks = n // block
@@ -116,8 +128,10 @@ def floor_cost(llm: LLM, side: Side, prompt_len: int, n: int, passes: float, blo
                dtype_bytes: int) -> PassCost:
     if not side.is_diffusion:
         return ar_cost(llm.cfg, prompt_len, n, dtype_bytes)
-    cache = llm.resolve(params_for(side, n, block_length)).cache
-    return diffusion_cost(llm.cfg, prompt_len, n, passes, min(block_length, n), cache, dtype_bytes)
+    params = llm.resolve(params_for(side, n, block_length))
+    # A block-diffusion pass is one block against the cache of the finished ones: the dual cache's cost.
+    cache = "dual" if side.kind == BLOCK_DIFFUSION else params.cache
+    return diffusion_cost(llm.cfg, prompt_len, n, passes, min(params.block_length, n), cache, dtype_bytes)
 
 
 def interpolate_crossover(ns: list[float], ratio: list[float]) -> float | None:
