@@ -77,7 +77,8 @@ def _diffusion(cls) -> DecoderFactory:
 
 
 def _block(rules: BlockRules) -> DecoderFactory:
-    return lambda runner, batch, params, resources: BlockDiffusionDecoder(runner, batch, params, rules)
+    return lambda runner, batch, params, resources: BlockDiffusionDecoder(runner, batch, params, rules,
+                                                                          resources.prefix_cache)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (

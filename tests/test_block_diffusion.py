@@ -153,3 +153,26 @@ def test_bench_compare_sides_follow_the_model_kind(v2_path):
     exact = floor_cost(llm, SIDES["block exact"], 10, 64, 72, 32, 4)
     fewer = floor_cost(llm, SIDES["block threshold"], 10, 64, 20, 32, 4)
     assert fewer.flops < exact.flops  # the floor follows the passes a side needed
+
+
+def test_prefix_cache_shares_whole_prompt_blocks(v2_path):
+    """A block-causal prompt's whole blocks do not depend on what follows: requests sharing a
+    prefix load its keys/values from the cache, with the same output as without it."""
+    from kstep.engine.engine import Engine
+    from kstep.engine.request import Request
+    llm = kstep.load(v2_path)
+    header = prompt_ids(40, 9)
+    prompts = [header + prompt_ids(n, n) for n in (3, 7, 12)]
+
+    def run(engine):
+        requests = [Request([p], kstep.GenerationParams(max_tokens=12, threshold=0.8)) for p in prompts]
+        for r in requests:
+            engine.add_request(r)
+            while engine.has_work():  # one after another: the later ones find the header
+                engine.step()
+        return [r.output_ids[0] for r in requests]
+
+    plain = run(Engine(llm))
+    cached_engine = Engine(llm, prefix_cache_bytes=64 << 20)
+    assert run(cached_engine) == plain
+    assert cached_engine.prefix_cache.hit_tokens >= 2 * 32  # the header's whole cache blocks, twice

@@ -33,7 +33,8 @@ from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.unmask import choose_top, confidence_rule
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
-from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
+from kstep.runner.model_runner import ForwardPass, ModelRunner
+from kstep.runner.prefix_cache import PrefixCache
 
 DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase
 
@@ -46,7 +47,8 @@ class BlockRules:
 
 
 class BlockDiffusionDecoder(Decoder):
-    def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams, rules: BlockRules):
+    def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams, rules: BlockRules,
+                 prefix_cache: PrefixCache | None = None):
         self.runner, self.params, self.rules = runner, params, rules
         self.mask_id, self.stop_ids, self.generator = batch.mask_id, batch.stop_ids, batch.generator
         self.include_canvas, self.first_allowed = batch.include_canvas, batch.first_allowed
@@ -72,6 +74,14 @@ class BlockDiffusionDecoder(Decoder):
             num_transfer_tokens(torch.tensor([bs]), params.steps)[0].to(device)  # (steps,)
         self.rule = confidence_rule(params.remasking)
         self.needs_prefill = bool((self.prompt_lengths >= bs).any())
+        # A prompt's whole blocks do not depend on what follows them (block-causal), so requests with
+        # the same prompt share them like an AR prefix: whole cache blocks that are whole model blocks,
+        # one prompt per decoder (unpadded, every row the same).
+        same_rows = key_mask is None and bool((prompts == prompts[:1]).all())
+        # (The cache holds keys of the model's own block size: a request with another one cannot share.)
+        shares = prefix_cache is not None and prefix_cache.block_size % bs == 0 and bs == runner.cfg.block_size
+        self.prefix_cache = prefix_cache if same_rows and shares else None
+        self.num_cached_tokens = 0
         self.row_nfe = torch.zeros(B, dtype=torch.long, device=device)
         self.nfe, self.is_finished = 0, False
         self.lengths = [0] * B  # committed tokens reported per row
@@ -82,9 +92,14 @@ class BlockDiffusionDecoder(Decoder):
         if self.is_finished:
             return []
         if self.needs_prefill:
-            W = self.prompt_width
+            W, bs = self.prompt_width, self.params.block_length
             key_mask = None if bool(self.real[:, :W].all()) else self.real[:, :W]
-            return [self.runner.block_prefill_pass(self.canvas[:, :W], key_mask, self.params.block_length, self.kv)]
+            start = 0
+            if self.prefix_cache is not None:  # the last whole block always runs: its output may be needed
+                whole = W // bs * bs
+                start = self.prefix_cache.load(self.canvas[0, :whole].tolist(), self.kv, whole - bs)
+                self.num_cached_tokens = start
+            return [self.runner.block_prefill_pass(self.canvas[:, :W], key_mask, bs, self.kv, start)]
         bs = self.params.block_length
         starts = self.pads + self.block_starts  # (B,) slot of each row's block
         index = starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
@@ -111,6 +126,8 @@ class BlockDiffusionDecoder(Decoder):
         on a block boundary, is the prefill's last output (an AR step, as Fast-dLLM v2)."""
         self.needs_prefill = False
         bs = self.params.block_length
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(self.canvas[0, :self.prompt_width // bs * bs].tolist(), self.kv)
         had_blocks = self.prompt_lengths >= bs
         self.row_nfe += had_blocks
         if self.rules.is_shifted:

@@ -18,6 +18,7 @@ from kstep.engine.scheduler import Scheduler
 from kstep.engine.text_stream import TextStream, render_canvas
 from kstep.llm import LLM
 from kstep.outputs import StepOutput
+from kstep.params import DIFFUSION
 from kstep.registry import make_decoder
 from kstep.runner.model_runner import execute_passes
 from kstep.runner.prefix_cache import PrefixCache
@@ -36,7 +37,13 @@ class Engine:
     def __init__(self, llm: LLM, max_batch_size: int = 16, max_queue: int = 256, prefix_cache_bytes: int = 0):
         self.llm = llm
         self.scheduler = Scheduler(max_batch_size, max_queue)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and not llm.is_diffusion else None
+        # AR and block-diffusion prompts share keys (causal across blocks); a canvas diffusion model's do not.
+        # A cached block must hold whole model blocks (a block's keys depend on all of it).
+        shares_prefixes = llm.kind != DIFFUSION
+        model_block = llm.cfg.block_size or 1
+        cache_block = -(-16 // model_block) * model_block
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, cache_block) if prefix_cache_bytes > 0 and shares_prefixes \
+            else None
         self.streams: dict[str, list[TextStream]] = {}
 
     def add_request(self, request: Request) -> None:

@@ -123,17 +123,19 @@ class ModelRunner:
         return ForwardPass(ids, positions, mask, 0, T, kind, self, kv, 0, attend_len, slots, columns)
 
     def block_prefill_pass(self, ids: torch.Tensor, key_mask: torch.Tensor | None, block_size: int,
-                           kv: KVCache) -> ForwardPass:
+                           kv: KVCache, start: int = 0) -> ForwardPass:
         """Block-causal pass over left-padded prompts ids (B, W) (bidirectional inside blocks of
-        `block_size` positions, causal across), written into the cache at [0, W); logits of the last
-        position."""
+        `block_size` positions, causal across) for columns [start, W), written into the cache there;
+        columns before `start` are already cached (a shared prefix). Logits of the last position."""
         B, W = ids.shape
         positions = self._positions(key_mask, B, W)
         blocks = positions // block_size  # (B, W)
-        mask = blocks[:, None, :] <= blocks[:, :, None]  # (B, W, W): key block <= query block
+        mask = blocks[:, None, :] <= blocks[:, start:, None]  # (B, W - start, W): key block <= query block
         if key_mask is not None:  # pads are never keys; a pad query sees itself (no all-masked row)
-            mask = (mask & key_mask[:, None, :]) | torch.eye(W, dtype=torch.bool, device=ids.device)
-        return ForwardPass(ids, positions, mask[:, None], W - 1, W, "prefill", self, kv, 0)
+            itself = torch.eye(W, dtype=torch.bool, device=ids.device)[start:]
+            mask = (mask & key_mask[:, None, :]) | itself
+        return ForwardPass(ids[:, start:], positions[:, start:], mask[:, None], W - start - 1, W - start, "prefill",
+                           self, kv, start)
 
     # --- Execution ---------------------------------------------------------------------------------
 
