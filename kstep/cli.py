@@ -60,7 +60,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def add_random_checkpoint(sub) -> None:
     rand = add_command(sub, "random-checkpoint", "write a small random-weight checkpoint (tests, demos)")
-    rand.add_argument("--family", default="llada", choices=["llada", "llama", "dream"])
+    rand.add_argument("--family", default="llada", choices=["llada", "dream", "fast_dllm_v2", "sdar", "llama"])
     rand.add_argument("--out", required=True)
     rand.add_argument("--seed", type=int, default=0)
     rand.set_defaults(run=lambda args: _write_random(args))

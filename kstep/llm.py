@@ -16,7 +16,7 @@ from kstep.decoding.drafters import NGRAM
 from kstep.decoding.loop import decode_alone
 from kstep.layers.quantized import quantize_model
 from kstep.outputs import GenerationResult
-from kstep.params import AUTOREGRESSIVE, DIFFUSION, GenerationParams, knob_applies
+from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, GenerationParams, knob_applies
 from kstep.registry import FAMILIES, make_decoder
 from kstep.runner.model_runner import ModelRunner
 from kstep.tokenizer import Tokenizer, load_tokenizer
@@ -65,14 +65,14 @@ class LLM:
             self._check_draft(self.draft)
 
     def _checkpoint_defaults(self) -> dict:
-        """Knob values the checkpoint gives for knobs kstep leaves unset by default: a block model's
-        block size (config.json), Dream's `eps`, `alg_temp` (generation_config.json). Its other keys
+        """Knob values generation_config.json gives for knobs kstep leaves unset by default (Dream's
+        `eps`, `alg_temp`; the family's own, such as a block model's block size, come from the
+        registry). Its other keys
         (e.g. Dream's `steps: 512`, `alg: origin`) are not taken: kstep's defaults decide those."""
         path = self.path / "generation_config.json"
         raw = read_json(path) if path.is_file() else {}
-        return {**self.family.knob_defaults(self.cfg),
-                **{name: raw[name] for name in ("eps", "alg_temp") if raw.get(name) is not None
-                   and knob_applies(name, self.cfg.family, self.family.kind)}}
+        return {name: raw[name] for name in ("eps", "alg_temp") if raw.get(name) is not None
+                and knob_applies(name, self.cfg.family, self.family.kind)}
 
     def _check_draft(self, draft: "LLM") -> None:
         """A draft must be an AR model over the same vocabulary: its token ids mean the target's."""
@@ -101,7 +101,8 @@ class LLM:
 
     def resolve(self, params: GenerationParams) -> GenerationParams:
         """`params` resolved for this model's family (raises ValueError naming a bad knob)."""
-        unset = {k: v for k, v in self.checkpoint_defaults.items() if getattr(params, k) is None}
+        defaults = {**self.family.knob_defaults(self.cfg, params), **self.checkpoint_defaults}
+        unset = {k: v for k, v in defaults.items() if getattr(params, k) is None}
         if unset and not params.is_resolved:
             params = replace(params, **unset)
         return params.resolve(self.cfg.family, self.family.kind, has_draft=self.draft is not None)
@@ -143,9 +144,13 @@ class LLM:
         if not rows:
             raise ValueError("no prompts given")
         longest = max(len(ids) for ids in rows)
-        extra = params.num_draft_tokens + 1 if self.family.kind == AUTOREGRESSIVE and params.num_draft_tokens else 0
+        extra, why = 0, ""
+        if self.family.kind == AUTOREGRESSIVE and params.num_draft_tokens:
+            extra, why = params.num_draft_tokens + 1, " + num_draft_tokens + 1"
+        elif self.family.kind == BLOCK_DIFFUSION:  # the last block may end up to a block past max_tokens
+            extra, why = params.block_length, f" + block_length ({params.block_length})"
         if longest + params.max_tokens + extra > self.cfg.max_positions:
-            what = f"max_tokens ({params.max_tokens})" + (" + num_draft_tokens + 1" if extra else "")
+            what = f"max_tokens ({params.max_tokens})" + why
             raise ValueError(f"prompt ({longest} tokens) + {what} exceeds the model's context of "
                              f"{self.cfg.max_positions}")
 
@@ -171,7 +176,7 @@ class LLM:
         start = time.perf_counter()
         decoder = make_decoder(self, batch, params, first_tokens=[allowed for _, _, allowed in healed])
         timings: dict[str, float] = {}
-        if self.is_diffusion:
+        if self.family.kind == DIFFUSION:  # both kinds of pass reported, even when one did not run
             timings = {"full_pass_seconds": 0.0, "window_pass_seconds": 0.0, "num_full_passes": 0,
                        "num_window_passes": 0}
         rows, row_nfe = decode_alone(decoder, timings)

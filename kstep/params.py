@@ -44,8 +44,8 @@ def knob(default, help: str, families: tuple[str, ...] = (), choices: tuple | No
 @dataclass(slots=True, frozen=True)
 class UnmaskPolicy:
     """How many masks a diffusion step unmasks: `fixed` (the linear schedule, `value` passes per
-    block), `threshold` (every mask with confidence >= value, at least one), `factor` (Fast-dLLM's
-    factor rule). Chosen once, when params are resolved; `decoding/unmask.py` holds the strategies."""
+    block), `threshold` (every mask with confidence >= value, at least one; block diffusion: > value,
+    at least the schedule's count), `factor` (Fast-dLLM's factor rule). Chosen once, when params are resolved; `decoding/unmask.py` holds the strategies."""
     kind: Literal["fixed", "threshold", "factor"]
     value: float
 
@@ -67,10 +67,11 @@ class GenerationParams:
     cfg_scale: float = knob(0.0, "LLaDA's unsupervised classifier-free guidance", ("llada",))
     cache: str | None = knob(None, "diffusion KV cache: none, prefix, dual (Fast-dLLM; the default)",
                              (DIFFUSION,), CACHE_MODES)
-    threshold: float | None = knob(None, "unmask every mask with confidence >= T per pass, at least one "
+    threshold: float | None = knob(None, "unmask every mask with confidence >= T per pass (block diffusion: > T, "
+                                         "as its references), at least one "
                                          "(default 0.9 unless steps or factor is given; block diffusion: with steps, "
                                          "at least the schedule's count)", DENOISING)
-    factor: float | None = knob(None, "Fast-dLLM's factor unmask rule", (DIFFUSION,))
+    factor: float | None = knob(None, "Fast-dLLM's factor unmask rule", ("llada",))
     exact: bool = knob(False, "the reference sampler: no cache, fixed schedule, one token per pass "
                               "(or steps passes)", DENOISING)
     alg_temp: float | None = knob(None, "Dream's alg_temp: sample which masks to unmask from "
@@ -149,6 +150,16 @@ class GenerationParams:
             return self._resolve_block_diffusion()
         return self._resolve_diffusion(family in WHOLE_CANVAS_REFERENCE)
 
+    @staticmethod
+    def _check_dream_schedule(cache: str, policy: UnmaskPolicy, block: int, steps_per_block: int) -> None:
+        """Dream's two samplers' own arithmetic (decoding/dream.py)."""
+        if cache != "none" and policy.kind == "fixed" and steps_per_block < 2:
+            raise ValueError(f"steps gives {steps_per_block} pass per block: Dream's block sampler (cache "
+                             f"{cache}) needs at least 2 (its first pass commits one token)")
+        if cache == "none" and policy.kind == "threshold" and block % steps_per_block:
+            raise ValueError(f"a threshold without a cache is Dream's confidence_threshold: block_length ({block}) "
+                             f"must be a multiple of the steps per block ({steps_per_block})")
+
     def _resolve_block_diffusion(self) -> "GenerationParams":
         """Blocks are the checkpoint's (filled in from it when not given) and aligned to position 0,
         so any max_tokens fits. Policy: a threshold (default 0.9; with `steps`, at least the
@@ -156,6 +167,9 @@ class GenerationParams:
         block; `exact`: one token per pass (steps = block_length)."""
         if self.block_length is None:
             raise ValueError("block_length: a block-diffusion model needs its block size (from its config)")
+        if self.remasking == "entropy" and self.steps is None and not self.exact:
+            raise ValueError("remasking 'entropy' scores negative entropy, which a threshold cannot compare: "
+                             "give steps (a fixed schedule)")
         sub = self.sub_block_length or self.block_length
         if self.block_length % sub:
             raise ValueError(f"sub_block_length ({sub}) must divide block_length ({self.block_length})")
@@ -194,9 +208,14 @@ class GenerationParams:
         elif self.factor is not None:
             policy = UnmaskPolicy("factor", self.factor)
         elif self.steps is None and not self.exact:
+            if self.remasking == "entropy":
+                raise ValueError("remasking 'entropy' scores negative entropy, which the default confidence "
+                                 "threshold cannot compare: give steps (a fixed schedule)")
             policy = UnmaskPolicy("threshold", DEFAULT_THRESHOLD)
         else:
             policy = UnmaskPolicy("fixed", steps // num_blocks)
+        if whole_canvas_reference:
+            self._check_dream_schedule(cache, policy, block, steps // num_blocks)
         threshold = policy.value if policy.kind == "threshold" else None
         return replace(self, block_length=block, steps=steps, cache=cache, threshold=threshold, policy=policy,
                        is_resolved=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from kstep.models import ModelConfig, Transformer
-from kstep.registry import DIFFUSION, FAMILIES
+from kstep.registry import AUTOREGRESSIVE, BLOCK_DIFFUSION, FAMILIES
 from kstep.train.bpe import (
     EOS,
     MASK,
@@ -60,8 +60,9 @@ def tiny_config(family: str, vocab_size: int, d_model: int = 64, n_layers: int =
         family=family, attention=entry.attention, vocab_size=vocab_size, embedding_size=embedding_size,
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=d_model // n_heads,
         ffn_dim=ffn_dim, norm_eps=1e-5, rope_theta=10000.0, max_positions=max_positions,
-        mask_token_id=SPECIAL_TOKENS.index(MASK) if entry.kind == DIFFUSION else None,
-        qkv_bias=family in ("qwen2", "dream"), pad_token_id=SPECIAL_TOKENS.index(PAD), eos_token_ids=(SPECIAL_TOKENS.index(EOS),))
+        mask_token_id=SPECIAL_TOKENS.index(MASK) if entry.kind != AUTOREGRESSIVE else None,
+        qkv_bias=family in ("qwen2", "dream", "fast_dllm_v2"), qk_norm=family == "sdar",
+        block_size=4 if entry.kind == BLOCK_DIFFUSION else None, pad_token_id=SPECIAL_TOKENS.index(PAD), eos_token_ids=(SPECIAL_TOKENS.index(EOS),))
 
 
 def write_random_checkpoint(out: str | Path, family: str = "llada", seed: int = 0, **sizes) -> Path:

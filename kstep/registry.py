@@ -61,15 +61,21 @@ class Family:
     decoder: DecoderFactory
     architectures: tuple[str, ...]   # config.json `architectures` that select it
     model_types: tuple[str, ...]     # config.json `model_type` that selects it
+    sub_block_length: int | None = None  # block diffusion: unmask inside sub-blocks of this size (Fast-dLLM v2)
 
     def parse_config(self, raw: dict) -> ModelConfig:
         return self.layout.parse_config(raw, self.name, self.attention)
 
-    def knob_defaults(self, cfg: ModelConfig) -> dict:
-        """Generation knobs this family takes from the checkpoint (a block model's block size)."""
+    def knob_defaults(self, cfg: ModelConfig, params: GenerationParams) -> dict:
+        """Generation knobs this family fills in for a request: a block model's block size (its
+        checkpoint's), Fast-dLLM v2's sub-block of 8 where it divides the block (else the whole block)."""
         if self.kind != BLOCK_DIFFUSION:
             return {}
-        return {"block_length": cfg.block_size, **({"sub_block_length": 8} if self.name == "fast_dllm_v2" else {})}
+        block = params.block_length or cfg.block_size
+        defaults = {"block_length": block}
+        if self.sub_block_length and block % self.sub_block_length == 0:
+            defaults["sub_block_length"] = self.sub_block_length
+        return defaults
 
 
 def _diffusion(cls) -> DecoderFactory:
@@ -85,9 +91,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llada", llada, "bidirectional", DIFFUSION, _diffusion(DiffusionDecoder), ("LLaDAModelLM",), ("llada",)),
     Family("dream", dream, "bidirectional", DIFFUSION, _diffusion(DreamDecoder), ("DreamModel",), ("Dream",)),
     Family("fast_dllm_v2", fast_dllm_v2, "block_causal", BLOCK_DIFFUSION,
-           _block(BlockRules(is_shifted=True, stores_after_stop=False)), ("Fast_dLLM_QwenForCausalLM",),
-           ("Fast_dLLM_Qwen",)),
-    Family("sdar", sdar, "block_causal", BLOCK_DIFFUSION, _block(BlockRules(is_shifted=False, stores_after_stop=True)),
+           _block(BlockRules(is_shifted=True)), ("Fast_dLLM_QwenForCausalLM",), ("Fast_dLLM_Qwen",),
+           sub_block_length=8),
+    Family("sdar", sdar, "block_causal", BLOCK_DIFFUSION, _block(BlockRules(is_shifted=False)),
            ("SDARForCausalLM",), ("sdar",)),
     Family("llama", llama, "causal", AUTOREGRESSIVE, autoregressive_decoder, ("LlamaForCausalLM",), ("llama",)),
     Family("qwen2", llama, "causal", AUTOREGRESSIVE, autoregressive_decoder, ("Qwen2ForCausalLM",), ("qwen2",)),
@@ -125,7 +131,7 @@ def make_decoder(llm: "LLM", rows: list[list[int]], params: GenerationParams,
                 first_allowed[row, allowed] = True
     batch = DecodeBatch.from_prompts(rows, llm.pad_id, llm.stop_ids, llm.cfg.mask_token_id, llm.device, params.seed,
                                      include_canvas, first_allowed)
-    resources = DecoderResources(prefix_cache, llm.draft.runner if hasattr(llm.draft, "runner") else llm.draft)
+    resources = DecoderResources(prefix_cache, llm.drafter)
     return llm.family.decoder(llm.runner, batch, params, resources)
 
 

@@ -70,6 +70,8 @@ class Tokenizer:
             return ids, "", []
         texts = self._token_texts()
         removed = texts[ids[-1]]
+        if "\ufffd" in removed:  # part of a UTF-8 character: text comparison cannot tell its continuations
+            return ids, "", []
         allowed = [i for i, text in enumerate(texts) if text.startswith(removed)] if removed else []
         if len(allowed) < 2:
             return ids, "", []

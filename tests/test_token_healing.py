@@ -32,7 +32,7 @@ def test_a_prompt_on_a_token_boundary_is_unchanged(bundled_tokenizer):
     assert bundled_tokenizer.heal(ids) == (ids, "", [])
 
 
-@pytest.fixture(scope="module", params=["llama", "llada", "dream"])
+@pytest.fixture(scope="module", params=["llama", "llada", "dream", "fast_dllm_v2", "sdar"])
 def llm(request, tmp_path_factory):
     return kstep.load(write_random_checkpoint(tmp_path_factory.mktemp(request.param), family=request.param, seed=3))
 

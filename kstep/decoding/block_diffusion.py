@@ -43,7 +43,6 @@ DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase
 class BlockRules:
     """What differs between the block-diffusion references."""
     is_shifted: bool          # Fast-dLLM v2: the token at j from the output at j - 1; a commit gives the next first token
-    stores_after_stop: bool   # SDAR stores the block holding the stop (the tokens are the same without it)
 
 
 class BlockDiffusionDecoder(Decoder):
@@ -59,8 +58,9 @@ class BlockDiffusionDecoder(Decoder):
         self.prompt_width = W
         self.pads = (W - key_mask.sum(-1)) if key_mask is not None else torch.zeros(B, dtype=torch.long, device=device)
         self.prompt_lengths = W - self.pads  # (B,)
-        # Slots = canvas columns: row b's position p sits at slot pads[b] + p. Room for the last block.
-        slots = W + N + 2 * bs
+        # Slots = canvas columns: row b's position p sits at slot pads[b] + p; room for the last block
+        # (it may end up to bs - 1 past max_tokens) and the next block's first token.
+        slots = W + N + bs
         self.canvas = torch.full((B, slots), self.mask_id, dtype=torch.long, device=device)
         self.canvas[:, :W] = prompts
         self.real = torch.ones(B, slots, dtype=torch.bool, device=device)
@@ -136,7 +136,8 @@ class BlockDiffusionDecoder(Decoder):
 
     def _write_first_token(self, last_logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Argmax of `last_logits` (B, V) at `positions` (B,) for `rows`, if within max_tokens."""
-        proposal = last_logits.clone()
+        proposal = constrain_outputs(last_logits[:, None], (positions - self.prompt_lengths)[:, None], self.stop_ids,
+                                     self.params.min_tokens, self.first_allowed)[:, 0].clone()
         proposal[:, self.mask_id] = float("-inf")
         token = proposal.argmax(-1)
         in_range = rows & (positions - self.prompt_lengths < self.params.max_tokens)

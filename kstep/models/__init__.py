@@ -1,5 +1,5 @@
 """Architectures: the one `Transformer` every family is built from, and each checkpoint layout's
-config/tensor-name mapping (llada.py, llama.py, dream.py). Which layout a checkpoint has, and how
+config/tensor-name mapping (llada.py, llama.py, dream.py, fast_dllm_v2.py, sdar.py). Which layout a checkpoint has, and how
 it decodes, is the registry's business (kstep/registry.py)."""
 from kstep.models.config import ModelConfig
 from kstep.models.transformer import Transformer

@@ -27,7 +27,7 @@ class ForwardPass:
     mask: torch.Tensor | None        # (b, 1, T|1, S) bool, True = may attend
     logits_from: int                 # logits for the run's positions [logits_from, logits_to)
     logits_to: int
-    kind: str                        # full | window | prefill | decode | verify (timings and metrics)
+    kind: str                        # full | window | prefill | decode | verify | block (timings and metrics)
     runner: "ModelRunner"            # the model that runs it (a speculative step's draft passes: the draft's)
     kv: KVCache | None = None
     cache_start: int = 0

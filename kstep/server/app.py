@@ -151,7 +151,8 @@ class Routes:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:  # a template error is the request's fault (its messages), not the server's
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
-        engine_request = self._prepare(body, [prompt], [True], self.config.default_max_tokens)
+        # A chat prompt ends with the template's own text: taken as given (as `kstep generate --chat`).
+        engine_request = self._prepare(body, [prompt], [False], self.config.default_max_tokens)
         return await self._respond(request, engine_request, body, chat=True,
                                    prefixes=[""] * engine_request.num_rows)
 

@@ -45,10 +45,14 @@ def block_mask_draw(tokens: torch.Tensor, block_size: int, generator: torch.Gene
     t = low + (high - low) * torch.rand(B, L // block_size, generator=generator, device=tokens.device)
     p = t.repeat_interleave(block_size, dim=1)  # (B, L)
     is_masked = torch.rand(B, L, generator=generator, device=tokens.device) < p
-    maskable = torch.arange(L, device=tokens.device) > 0
-    if prompt_lengths is not None:
-        maskable = maskable & (torch.arange(L, device=tokens.device) >= prompt_lengths[:, None])
-    return is_masked & maskable
+    return is_masked & maskable_positions(tokens, prompt_lengths)
+
+
+def maskable_positions(tokens: torch.Tensor, prompt_lengths: torch.Tensor | None) -> torch.Tensor:
+    """(B, L) bool: positions a mask may cover (not position 0, not the prompt)."""
+    index = torch.arange(tokens.shape[1], device=tokens.device)
+    maskable = (index > 0).expand(tokens.shape)
+    return maskable if prompt_lengths is None else maskable & (index >= prompt_lengths[:, None])
 
 
 def shifted_sources(length: int, block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -67,14 +71,16 @@ def block_diffusion_loss(model: Transformer, tokens: torch.Tensor, mask_id: int,
         raise ValueError(f"seq_len ({L}) must be a multiple of block_size ({block_size})")
     is_masked = block_mask_draw(tokens, block_size, generator, prompt_lengths, ratio_range)
     if complementary:
-        maskable = block_mask_draw(tokens, block_size, None, prompt_lengths, (1.0, 1.0))
-        tokens, is_masked = torch.cat([tokens, tokens]), torch.cat([is_masked, maskable & ~is_masked])
+        tokens, is_masked = torch.cat([tokens, tokens]), torch.cat([is_masked, maskable_positions(tokens, prompt_lengths)
+                                                                     & ~is_masked])
     noisy = torch.where(is_masked, mask_id, tokens)
     positions = torch.arange(L, device=tokens.device).repeat(2).expand(tokens.shape[0], -1)  # (B', 2L)
     mask = block_training_mask(L, block_size, tokens.device)[None, None]  # (1, 1, 2L, 2L)
     hidden = model.hidden_states(torch.cat([noisy, tokens], 1), positions, mask)  # (B', 2L, D)
     sources = shifted_sources(L, block_size, tokens.device).expand(tokens.shape[0], -1)  # (B', L)
     rows, cols = is_masked.nonzero(as_tuple=True)
+    if len(rows) == 0:  # nothing masked (e.g. a low ratio without complementary masks): no loss, no NaN
+        return hidden.sum() * 0.0
     logits = model.logits(hidden[rows, sources[rows, cols]]).float()  # (M, V): the head only where the loss is
     targets = tokens[rows, cols]
     loss = F.cross_entropy(logits, targets)

@@ -69,7 +69,8 @@ def distill(teacher: str, out: Path, max_tokens: int, batch_size: int, limit: in
     with open(out, "a") as f, tqdm(total=len(prompts), initial=done, desc="distill", unit="prompt") as bar:
         for start in range(done, len(prompts), batch_size):
             batch = prompts[start:start + batch_size]
-            results = llm.generate(batch, max_tokens=max_tokens, temperature=0.0)
+            # As ids the student will see: token healing would give text back and the rows would repeat it.
+            results = llm.generate(batch, max_tokens=max_tokens, temperature=0.0, token_healing=False)
             for prompt, result in zip(batch, results, strict=True):
                 ids = function_tokens(llm.tokenizer, prompt, result.token_ids)
                 text = llm.tokenizer.decode(ids)
