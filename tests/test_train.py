@@ -31,7 +31,7 @@ def fixed_loss(trainer: Trainer) -> float:
         return float(trainer.loss(tokens, torch.Generator().manual_seed(0)))
 
 
-@pytest.mark.parametrize("objective", ["diffusion", "ar"])
+@pytest.mark.parametrize("objective", ["diffusion", "ar", "block-diffusion"])
 def test_training_lowers_loss_and_reloads_exactly(tmp_path, corpus, objective):
     trainer = Trainer(tiny(corpus, tmp_path / objective, objective))
     before = fixed_loss(trainer)
@@ -40,15 +40,15 @@ def test_training_lowers_loss_and_reloads_exactly(tmp_path, corpus, objective):
     assert after < 0.85 * before, (before, after)
     # The exported checkpoint (bf16, family layout) reloads through kstep.load with identical logits.
     llm = kstep.load(out)
-    assert llm.cfg.family == ("llada" if objective == "diffusion" else "llama")
+    assert llm.cfg.family == {"diffusion": "llada", "ar": "llama", "block-diffusion": "fast_dllm_v2"}[objective]
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
         ids = trainer.eval_batch[:2]
         positions = torch.arange(ids.shape[1]).expand(2, -1)
         torch.testing.assert_close(llm.model(ids, positions), trainer.model(ids, positions), atol=1e-5, rtol=0)
-    assert llm.tokenizer is not None and llm.generate("def f(x):", max_tokens=8,
-                                                     **({"steps": 8} if llm.is_diffusion else {}))[0].nfe >= 1
+    knobs = {"diffusion": {"steps": 8}, "block-diffusion": {"steps": 4}}.get(objective, {})
+    assert llm.tokenizer is not None and llm.generate("def f(x):", max_tokens=8, **knobs)[0].nfe >= 1
 
 
 def test_resume_continues_the_same_run(tmp_path, corpus):

@@ -12,10 +12,19 @@ from pathlib import Path
 import torch
 
 import kstep
+from kstep.params import BLOCK_DIFFUSION, DIFFUSION
 from kstep.train import data
+from kstep.train.block_objective import block_diffusion_loss
 from kstep.train.corpus import function_examples
 from kstep.train.objectives import ar_nll, diffusion_nll_bound
 from kstep.weights import read_json
+
+OBJECTIVE_TEXT = {
+    "diffusion": "LLaDA masked diffusion: t ~ U(eps, 1], mask w.p. t, CE on masks / t",
+    "block-diffusion": "block diffusion (BD3-LM [noisy; clean], per-block mask ratios, complementary masks, "
+                       "shifted logits), CE on masks",
+    "ar": "next-token cross-entropy",
+}
 
 SAMPLE_TOKENS = 64
 
@@ -40,8 +49,9 @@ def plot_curves(runs: dict[str, Path], png: Path) -> None:
         ax.plot(tokens, smooth, color=color, label=f"{label}: train loss (mean of {window} steps)")
         held = [(e["tokens"] / 1e6, e["held_out_nll"]) for e in log if "held_out_nll" in e]
         if held:
-            bound = " (ELBO bound)" if kstep.load(model_dir).is_diffusion else ""
-            ax.plot(*zip(*held), "o--", color=color, markersize=4, label=f"{label}: held-out NLL{bound}")
+            kind = kstep.load(model_dir).kind
+            name = {DIFFUSION: "NLL (ELBO bound)", BLOCK_DIFFUSION: "masked-token CE"}.get(kind, "NLL")
+            ax.plot(*zip(*held), "o--", color=color, markersize=4, label=f"{label}: held-out {name}")
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("nats per token")
     ax.set_ylim(top=min(8.5, ax.get_ylim()[1]))
@@ -64,8 +74,15 @@ def held_out_nll(model_dir: Path, windows: torch.Tensor, mc_samples: int) -> flo
     return held_out_nll_of(kstep.load(model_dir), windows, mc_samples)
 
 
+@torch.no_grad()
 def held_out_nll_of(llm, windows: torch.Tensor, mc_samples: int) -> float:
-    """Per-token held-out NLL (AR) or its upper bound (diffusion, Monte-Carlo ELBO) of a loaded model."""
+    """Per-token held-out NLL (AR) or its upper bound (diffusion, Monte-Carlo ELBO) of a loaded model;
+    a block-diffusion model: the masked tokens' cross-entropy of its training objective (fixed draws),
+    not a likelihood."""
+    if llm.kind == BLOCK_DIFFUSION:
+        loss = block_diffusion_loss(llm.model, windows, llm.cfg.mask_token_id, llm.cfg.block_size,
+                                    torch.Generator().manual_seed(0))
+        return float(loss)
     if llm.is_diffusion:
         nll = diffusion_nll_bound(llm.model, windows, llm.cfg.mask_token_id, mc_samples,
                                   torch.Generator().manual_seed(0))
@@ -122,8 +139,8 @@ compared on equal terms (same size, tokenizer, data and budget). Do not expect u
 
 | | |
 |---|---|
-| objective | {cfg['objective']} ({'LLaDA masked diffusion: t ~ U(eps, 1], mask w.p. t, CE on masks / t' if cfg['objective'] == 'diffusion' else 'next-token cross-entropy'}) |
-| layout | `{llm.cfg.family}` ({'bidirectional' if llm.is_diffusion else 'causal'}), {llm.cfg.num_params / 1e6:.2f} M parameters, d_model {cfg['d_model']}, {cfg['n_layers']} layers, {cfg['n_heads']} heads, SwiGLU {cfg['ffn_dim']}, untied head |
+| objective | {cfg['objective']} ({OBJECTIVE_TEXT[cfg['objective']]}) |
+| layout | `{llm.cfg.family}` ({llm.cfg.attention}), {llm.cfg.num_params / 1e6:.2f} M parameters, d_model {cfg['d_model']}, {cfg['n_layers']} layers, {cfg['n_heads']} heads, SwiGLU {cfg['ffn_dim']}, untied head |
 | weights | bfloat16 safetensors, {size_mib:.1f} MiB |
 | tokenizer | byte-level BPE, {llm.cfg.vocab_size} tokens, trained on the training split (special: `<\\|pad\\|>`, `<\\|endoftext\\|>`, `<\\|mask\\|>`) |
 | data | {corpus}; split by file (5% held out, `data_split.json`) |
