@@ -92,8 +92,8 @@ def fake_engine(monkeypatch):
         return FakeDecoder(rows, params.max_tokens, [main, draft] if params.num_draft_tokens else [main])
 
     monkeypatch.setattr(engine_module, "make_decoder", fake_make_decoder)
-    llm = SimpleNamespace(resolve=lambda params: params, tokenizer=None, stop_ids=[STOP],
-                          cfg=SimpleNamespace(mask_token_id=None), is_diffusion=False)
+    llm = SimpleNamespace(resolve=lambda params: params, tokenizer=None, stop_ids=[STOP], kind="autoregressive",
+                          cfg=SimpleNamespace(mask_token_id=None, block_size=None), is_diffusion=False)
     return SimpleNamespace(make=lambda **kw: Engine(llm, **kw), main=main, draft=draft)
 
 
