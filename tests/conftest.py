@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kstep.bench.server_process import running_server
 from kstep.random_checkpoint import write_random_checkpoint
 
 # 2 threads on the 2-core CI machine; 1 when something else (a training run) shares the cores.
@@ -34,3 +35,19 @@ def copy_checkpoint(src: Path, dst: Path, **config_changes) -> Path:
             cfg[key] = value
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
+
+
+@pytest.fixture(scope="module")
+def llada_server(llada_path, tmp_path_factory):
+    """A real `kstep serve` of the tiny LLaDA checkpoint (one per test module), served as "tiny"."""
+    with running_server(llada_path, "--served-model-name", "tiny", "--max-batch-size", "8",
+                        log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_path, tmp_path_factory):
+    """A real `kstep serve` of the tiny LLaMA checkpoint (one per test module), served as "tiny-ar"."""
+    with running_server(llama_path, "--served-model-name", "tiny-ar",
+                        log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
+        yield url

@@ -14,20 +14,6 @@ from kstep.bench.server_process import running_server
 from kstep.engine.text_stream import MASK_PLACEHOLDER
 
 
-@pytest.fixture(scope="module")
-def llada_server(llada_path, tmp_path_factory):
-    with running_server(llada_path, "--served-model-name", "tiny", "--max-batch-size", "8",
-                        log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
-        yield url
-
-
-@pytest.fixture(scope="module")
-def llama_server(llama_path, tmp_path_factory):
-    with running_server(llama_path, "--served-model-name", "tiny-ar",
-                        log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
-        yield url
-
-
 def client(url: str, **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
 

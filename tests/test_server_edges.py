@@ -8,24 +8,9 @@ import sys
 import httpx
 import pytest
 
-from kstep.bench.server_process import running_server
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 JSON = {"content-type": "application/json"}
-
-
-@pytest.fixture(scope="module")
-def llada_server(llada_path, tmp_path_factory):
-    with running_server(llada_path, "--served-model-name", "tiny",
-                        log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
-        yield url
-
-
-@pytest.fixture(scope="module")
-def llama_server(llama_path, tmp_path_factory):
-    with running_server(llama_path, "--served-model-name", "tiny-ar",
-                        log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
-        yield url
 
 
 def completion(**fields) -> dict:

@@ -71,16 +71,27 @@ def leading_unmasked(completions: torch.Tensor, mask_id: int) -> torch.Tensor:
     return torch.where(is_mask.any(-1), is_mask.float().argmax(-1), completions.shape[1])
 
 
+def final_rows(completions: torch.Tensor, mask_id: int, stop_ids: torch.Tensor) -> torch.Tensor:
+    """(B, N) -> (B,) rows whose completion can no longer change: no mask left, or a stop token with
+    nothing masked before it."""
+    N = completions.shape[1]
+    first_mask = leading_unmasked(completions, mask_id)
+    is_stop = torch.isin(completions, stop_ids)
+    first_stop = torch.where(is_stop.any(-1), is_stop.float().argmax(-1), N)
+    return (first_stop < first_mask) | (first_mask == N)
+
+
 def prefix_step_output(decoder: Decoder, completions: torch.Tensor, committed: list[int], mask_id: int,
-                       stop_ids: torch.Tensor, row_nfe: torch.Tensor, include_canvas: bool) -> StepOutput:
+                       stop_ids: torch.Tensor, row_nfe: torch.Tensor, include_canvas: bool,
+                       finished: torch.Tensor | None = None) -> StepOutput:
     """A StepOutput for a canvas decoder: rows commit their leading unmasked run; `committed` (the
-    lengths reported so far) is updated in place. A row is finished once its committed run holds a
-    stop token or fills the canvas."""
+    lengths reported so far) is updated in place. A row is finished (unless the decoder says) once
+    its completion is final (`final_rows`)."""
     lengths = leading_unmasked(completions, mask_id).tolist()
     rows = completions.tolist()
     new = [row[old:length] for row, old, length in zip(rows, committed, lengths, strict=True)]
-    stops = set(stop_ids.tolist())
-    finished = [length == len(row) or any(t in stops for t in row[:length]) for row, length in zip(rows, lengths)]
+    if finished is None:
+        finished = final_rows(completions, mask_id, stop_ids)
     committed[:] = lengths
-    return StepOutput(new, lengths, finished, row_nfe.tolist(), decoder.nfe, decoder.is_finished,
+    return StepOutput(new, lengths, finished.tolist(), row_nfe.tolist(), decoder.nfe, decoder.is_finished,
                       rows if include_canvas else None)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kstep.decoding.base import DecodeBatch, Decoder
+from kstep.decoding.base import DecodeBatch, Decoder, final_rows, prefix_step_output
 from kstep.decoding.sampling import constrain_outputs, sample_tokens
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.unmask import choose_top, confidence_rule
@@ -208,15 +208,9 @@ class BlockDiffusionDecoder(Decoder):
             self.is_finished, self.kv = True, None
 
     def _is_final(self) -> torch.Tensor:
-        """(B,) rows whose completion can no longer change: a stop token with nothing masked before it,
-        or max_tokens decided."""
-        completions = self.completions()
-        is_mask = completions == self.mask_id
-        N = completions.shape[1]
-        first_mask = torch.where(is_mask.any(-1), is_mask.float().argmax(-1), N)
-        is_stop = torch.isin(completions, self.stop_ids) if not self.params.ignore_eos else torch.zeros_like(is_mask)
-        first_stop = torch.where(is_stop.any(-1), is_stop.float().argmax(-1), N)
-        return (first_stop < first_mask) | (first_mask == N)
+        """(B,) rows whose completion can no longer change (`final_rows`; with ignore_eos, no stops)."""
+        stops = self.stop_ids[:0] if self.params.ignore_eos else self.stop_ids
+        return final_rows(self.completions(), self.mask_id, stops)
 
     # --- results ----------------------------------------------------------------------------------
 
@@ -226,13 +220,5 @@ class BlockDiffusionDecoder(Decoder):
         return self.canvas[:, W:W + self.params.max_tokens]
 
     def _output(self) -> StepOutput:
-        completions = self.completions()
-        is_mask = completions == self.mask_id
-        N = completions.shape[1]
-        lengths = torch.where(is_mask.any(-1), is_mask.float().argmax(-1), N).tolist()
-        rows = completions.tolist()
-        new = [row[old:length] for row, old, length in zip(rows, self.lengths, lengths, strict=True)]
-        self.lengths = lengths
-        finished = (self.phase == DONE).tolist()
-        return StepOutput(new, lengths, finished, self.row_nfe.tolist(), self.nfe, self.is_finished,
-                          rows if self.include_canvas else None)
+        return prefix_step_output(self, self.completions(), self.lengths, self.mask_id, self.stop_ids, self.row_nfe,
+                                  self.include_canvas, finished=self.phase == DONE)
