@@ -80,6 +80,9 @@ class GenerationParams:
                                    "checkpoint's generation_config, else 1e-3)", ("dream",))
     sub_block_length: int | None = knob(None, "Fast-dLLM v2's small_block_size: unmask only inside the current "
                                               "sub-block of this many tokens (default 8)", ("fast_dllm_v2",))
+    fused_commit: bool = knob(True, "block diffusion: a finished block's keys/values are written by the next "
+                                    "block's first pass, not by a pass of their own (one pass fewer per block; "
+                                    "exact, or off: the references' commit pass)", (BLOCK_DIFFUSION,))
     early_stop: bool = knob(True, "diffusion: stop a row once an end-of-sequence token has nothing masked "
                                   "before it (an AR row always stops at its end-of-sequence token)")
     token_healing: bool = knob(True, "a text prompt ending mid-token (a trailing newline or space) backs up to the "
@@ -109,7 +112,7 @@ class GenerationParams:
         _check_number("alg_temp", self.alg_temp, 0)
         _check_number("eps", self.eps, 0, 1, exclusive_low=True)
         _check_int("num_draft_tokens", self.num_draft_tokens, 0, 16, "[0, 16]")
-        for name in ("exact", "early_stop", "ignore_eos", "token_healing"):
+        for name in ("exact", "early_stop", "ignore_eos", "token_healing", "fused_commit"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, allowed in (("remasking", REMASKING_RULES), ("cache", CACHE_MODES)):
@@ -181,7 +184,9 @@ class GenerationParams:
         else:
             policy = UnmaskPolicy("fixed", steps)
         threshold = policy.value if policy.kind == "threshold" else None
-        return replace(self, steps=steps, threshold=threshold, policy=policy, sub_block_length=sub, is_resolved=True)
+        fused = self.fused_commit and not self.exact
+        return replace(self, steps=steps, threshold=threshold, policy=policy, sub_block_length=sub, fused_commit=fused,
+                       is_resolved=True)
 
     def _resolve_diffusion(self, whole_canvas_reference: bool) -> "GenerationParams":
         """Defaults: the dual cache, and the 0.9 confidence threshold unless `steps` or `factor`

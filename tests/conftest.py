@@ -24,6 +24,21 @@ def llama_path(tmp_path_factory) -> Path:
     return write_random_checkpoint(tmp_path_factory.mktemp("llama"), family="llama", seed=2)
 
 
+@pytest.fixture(scope="session")
+def v2_path(tmp_path_factory) -> Path:
+    """A tiny Fast-dLLM v2 checkpoint. The published config has no mask id (its samplers default to
+    |<MASK>|); kstep reads one from config.json or the tokenizer; this one has no tokenizer, so it is
+    in config.json."""
+    from block_reference import MASK_ID, write_fast_dllm_v2_checkpoint
+    return write_fast_dllm_v2_checkpoint(tmp_path_factory.mktemp("v2"), mask_token_id=MASK_ID)
+
+
+@pytest.fixture(scope="session")
+def sdar_path(tmp_path_factory) -> Path:
+    from block_reference import write_sdar_checkpoint
+    return write_sdar_checkpoint(tmp_path_factory.mktemp("sdar"))
+
+
 def copy_checkpoint(src: Path, dst: Path, **config_changes) -> Path:
     """A copy of a checkpoint with some config.json keys changed (None deletes the key)."""
     shutil.copytree(src, dst)

@@ -29,3 +29,16 @@ def test_judge_prefers_its_own_greedy_completion(llama_path):
     noise = torch.randint(5, judge.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     assert judge_nll(judge, prompt, greedy) < judge_nll(judge, prompt, noise)
     assert judge_nll(judge, prompt, []) is None
+
+
+def test_bench_decode_runs_block_modes_on_a_block_model(tmp_path, v2_path):
+    rows = run_bench([str(v2_path)], [24], 16, ["exact", "dual", "threshold", "threshold+commit-pass"], "cpu",
+                     "float32", tmp_path, max_cell_seconds=60.0, extrapolate=True, threads=1, include_large=False)
+    by_mode = {r["mode"]: r for r in rows}
+    assert set(by_mode) == {"exact", "threshold", "threshold+commit-pass"}  # dual is not a block-diffusion mode
+    assert all(r["completion_tokens"] == 24 for r in rows)  # every mode produces N tokens
+    blocks = 24 // 8 + 1  # bd_size 8; the prompt's tail shares the first block
+    assert by_mode["exact"]["nfe"] >= 24  # one token per pass, plus prefill and commits
+    assert by_mode["threshold"]["nfe"] <= by_mode["threshold+commit-pass"]["nfe"] <= by_mode["exact"]["nfe"]
+    assert by_mode["threshold+commit-pass"]["nfe"] <= 24 + blocks
+    assert by_mode["exact"]["speedup_vs_exact"] == 1.0

@@ -12,23 +12,9 @@ from block_reference import (
     ReferenceSDAR,
     fast_dllm_v2_generate,
     sdar_generate,
-    write_fast_dllm_v2_checkpoint,
-    write_sdar_checkpoint,
 )
 
 import kstep
-
-
-@pytest.fixture(scope="module")
-def v2_path(tmp_path_factory):
-    # The published config has no mask id (its samplers default to |<MASK>|); kstep reads one from
-    # config.json or the tokenizer; this tiny checkpoint has no tokenizer, so it is in config.json.
-    return write_fast_dllm_v2_checkpoint(tmp_path_factory.mktemp("v2"), mask_token_id=MASK_ID)
-
-
-@pytest.fixture(scope="module")
-def sdar_path(tmp_path_factory):
-    return write_sdar_checkpoint(tmp_path_factory.mktemp("sdar"))
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
@@ -65,7 +51,7 @@ def test_fast_dllm_v2_matches_generate(v2_path, prompt_len, max_tokens, block, s
         ref, torch.tensor([prompt]), max_new_tokens=max_tokens + block, block_size=block, small_block_size=sub,
         threshold=threshold, mask_id=MASK_ID, stop_token=IM_END_ID)
     got = llm.generate(prompt, max_tokens=max_tokens, block_length=block, sub_block_length=sub,
-                       threshold=threshold)[0]
+                       threshold=threshold, fused_commit=False)[0]
     want = completion(expected[0, prompt_len:].tolist(), llm.stop_ids)[:max_tokens]
     assert MASK_ID not in want
     assert got.token_ids == want
@@ -78,7 +64,8 @@ def test_fast_dllm_v2_matches_generate(v2_path, prompt_len, max_tokens, block, s
     (8, 16, 8, 4, 1.0),     # two tokens per pass; the prompt fills a whole block
     (10, 24, 8, 8, 0.9),
 ])
-def test_sdar_matches_block_diffusion_generate(sdar_path, prompt_len, max_tokens, block, steps, threshold):
+@pytest.mark.parametrize("fused", [False, True])
+def test_sdar_matches_block_diffusion_generate(sdar_path, prompt_len, max_tokens, block, steps, threshold, fused):
     llm = kstep.load(sdar_path)
     ref = ReferenceSDAR(sdar_path)
     prompt = prompt_ids(prompt_len, prompt_len + 1)
@@ -87,11 +74,16 @@ def test_sdar_matches_block_diffusion_generate(sdar_path, prompt_len, max_tokens
         denoising_steps=steps, temperature=0.0, remasking_strategy="low_confidence", confidence_threshold=threshold,
         stop_ids=llm.stop_ids, variant="opencompass")
     knobs = {"threshold": threshold} if threshold < 1 else {}
-    got = llm.generate(prompt, max_tokens=max_tokens, block_length=block, steps=steps, **knobs)[0]
+    got = llm.generate(prompt, max_tokens=max_tokens, block_length=block, steps=steps, fused_commit=fused, **knobs)[0]
     want = completion(expected[0, prompt_len:].tolist(), llm.stop_ids)[:max_tokens]
     assert MASK_ID not in want
-    assert got.token_ids == want
+    assert got.token_ids == want  # a fused commit writes the same keys: SDAR's tokens do not change
     assert got.nfe <= expected_nfe
+    if fused:  # ... and each block after the first costs one pass less
+        separate = llm.generate(prompt, max_tokens=max_tokens, block_length=block, steps=steps, fused_commit=False,
+                                **knobs)[0]
+        blocks_after_first = (prompt_len + len(got.token_ids) - 1) // block - prompt_len // block
+        assert got.nfe == separate.nfe - blocks_after_first
 
 
 @pytest.mark.parametrize("family", ["fast_dllm_v2", "sdar"])
@@ -112,6 +104,7 @@ def test_block_defaults_and_refused_knobs(v2_path):
     assert params.policy.kind == "threshold" and params.policy.value == 0.9
     exact = llm.resolve(kstep.GenerationParams(max_tokens=20, exact=True))
     assert exact.policy.kind == "fixed" and exact.steps == 8  # one token per pass
+    assert params.fused_commit and not exact.fused_commit  # exact: the references' own commit pass
     with pytest.raises(ValueError, match="cache"):
         llm.generate([5, 6], max_tokens=8, cache="dual")
     with pytest.raises(ValueError, match="steps"):

@@ -25,7 +25,9 @@ def _add_decode(kinds) -> None:
                         help="a diffusion checkpoint or bundled name (repeat; default: the bundled `default`)")
     decode.add_argument("--lengths", default="64,256,1024", help="canvas lengths N, comma-separated")
     decode.add_argument("--block-length", type=int, default=32)
-    decode.add_argument("--modes", default="exact,prefix,dual,dual+threshold")
+    decode.add_argument("--modes", default="exact,prefix,dual,dual+threshold,threshold,threshold+commit-pass",
+                        help="each model runs those of its kind: LLaDA/Dream exact, prefix, dual, dual+threshold; "
+                             "block diffusion exact, threshold, threshold+commit-pass")
     decode.add_argument("--no-large", dest="large", action="store_false",
                         help="skip the ~110M random LLaDA-layout model")
     add_device_flags(decode, threads=True)
@@ -40,12 +42,14 @@ def _add_decode(kinds) -> None:
 
 
 def run_decode(args: argparse.Namespace) -> int:
-    from kstep.bench.decode import MODES, format_quality, format_table, run_bench, run_quality
+    from kstep.bench.decode import BLOCK_MODES, MODES, format_quality, format_table, run_bench, run_quality
     lengths = positive_ints("--lengths", args.lengths)
     modes = args.modes.split(",")
-    bad = [m for m in modes if m not in MODES]
+    known = list(MODES) + [m for m in BLOCK_MODES if m not in MODES]
+    bad = [m for m in modes if m not in known]
     if bad:
-        raise ValueError(f"--modes: {bad[0]!r} is not a mode (choose from {', '.join(MODES)})")
+        raise ValueError(f"--modes: {bad[0]!r} is not a mode (choose from {', '.join(known)}; "
+                         "a block-diffusion model runs exact, threshold, threshold+commit-pass)")
     if "exact" not in modes:
         raise ValueError("--modes must include exact: every speedup is measured against it")
     models = args.model or ["default"]

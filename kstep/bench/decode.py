@@ -8,6 +8,12 @@ time = (full passes' time) + (window passes' time) x (steps per block - 1), or f
 sampler (per full pass) x steps, from a probe with one step per block. Such cells are marked
 `extrapolated`; the per-step work outside the passes (sampling, unmasking) is added at the probe's
 rate. With `--no-extrapolate` every cell runs in full.
+
+A block-diffusion model (Fast-dLLM v2, SDAR layouts) has its own modes, on its own block size: `exact`
+(one token per pass and the references' commit pass per block), `threshold` (kstep's default: 0.9,
+fused commits) and `threshold+commit-pass` (0.9 with the references' separate commit). Every cell
+produces N tokens (`min_tokens` = N), so the modes' speeds compare the same work. Its passes are one
+block each against an exact cache, cheap enough to run every cell in full.
 """
 import json
 import subprocess
@@ -33,6 +39,9 @@ class Mode:
 
 MODES = {"exact": Mode("exact", "none"), "prefix": Mode("prefix", "prefix"), "dual": Mode("dual", "dual"),
          "dual+threshold": Mode("dual+threshold", "dual", 0.9, early_stop=True)}
+# Block diffusion: the settings each mode passes on top of max_tokens = min_tokens = N.
+BLOCK_MODES = {"exact": {"exact": True}, "threshold": {"threshold": 0.9},
+               "threshold+commit-pass": {"threshold": 0.9, "fused_commit": False}}
 
 LARGE_CONFIG = dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, head_dim=64, ffn_dim=2048, vocab_size=16384)
 
@@ -80,13 +89,31 @@ def run_worker(spec: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def is_block_model(model: Path) -> bool:
+    from kstep.registry import BLOCK_DIFFUSION, FAMILIES
+    from kstep.weights import read_model_config
+    return FAMILIES[read_model_config(model).family].kind == BLOCK_DIFFUSION
+
+
+def measure_block(model: Path, label: str, n: int, mode: str, prompt_ids: list[int], device: str, dtype: str,
+                  threads: int | None) -> dict:
+    settings = dict(max_tokens=n, min_tokens=n, **BLOCK_MODES[mode])
+    result = run_worker(dict(model=str(model), device=device, dtype=dtype, prompt_ids=prompt_ids, settings=settings,
+                             threads=threads, warmup=dict(settings, max_tokens=8, min_tokens=0)))
+    return dict(model=label, n=n, block_length=None, mode=mode, cache="block", threshold=settings.get("threshold"),
+                early_stop=True, extrapolated=False, seconds=result["seconds"], nfe=result["nfe"],
+                peak_bytes=result["peak_bytes"], model_bytes=result["model_bytes"], tokens_per_s=n / result["seconds"],
+                completion_tokens=result["completion_tokens"])
+
+
 def measure(model: Path, label: str, n: int, block: int, mode: Mode, prompt_ids: list[int], device: str,
             dtype: str, max_cell_seconds: float, extrapolate: bool, threads: int | None) -> dict:
     steps = n  # the fixed schedule at one token per pass: what the issue's targets are measured against
     settings = dict(max_tokens=n, block_length=block, steps=steps, cache=mode.cache, threshold=mode.threshold,
                     early_stop=mode.early_stop)
+    warmup = dict(max_tokens=block, block_length=block, steps=block, cache=mode.cache)
     spec = dict(model=str(model), device=device, dtype=dtype, prompt_ids=prompt_ids, settings=settings,
-                threads=threads)
+                threads=threads, warmup=warmup)
     row = dict(model=label, n=n, block_length=block, mode=mode.name, cache=mode.cache, threshold=mode.threshold,
                early_stop=mode.early_stop, extrapolated=False)
     if extrapolate and mode.threshold is None:
@@ -120,13 +147,17 @@ def run_bench(models: list[str], lengths: list[int], block: int, modes: list[str
     targets = [(name, resolve_model(name)) for name in models]
     if include_large:
         targets.append(("random-110M", large_random_model(Path(".kstep-cache"))))
-    cells = [(label, path, n, MODES[m]) for label, path in targets for n in lengths for m in modes]
+    cells = [(label, path, n, m) for label, path in targets for n in lengths for m in modes]
     rows, prompts = [], {}
     for label, path, n, mode in tqdm(cells, desc="bench decode", unit="cell"):
         if label not in prompts:
             prompts[label] = default_prompt_ids(path)
-        rows.append(measure(path, label, n, block, mode, prompts[label], device, dtype, max_cell_seconds,
-                            extrapolate, threads))
+        if is_block_model(path):
+            if mode in BLOCK_MODES:
+                rows.append(measure_block(path, label, n, mode, prompts[label], device, dtype, threads))
+        elif mode in MODES:
+            rows.append(measure(path, label, n, block, MODES[mode], prompts[label], device, dtype, max_cell_seconds,
+                                extrapolate, threads))
     for row in rows:
         exact = next(r for r in rows if r["model"] == row["model"] and r["n"] == row["n"] and r["mode"] == "exact")
         smallest = min((r for r in rows if r["model"] == row["model"] and r["mode"] == row["mode"]),

@@ -14,8 +14,7 @@ def run_cell(spec: dict) -> dict:
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
     llm = kstep.load(spec["model"], device=spec["device"], dtype=spec["dtype"])
     settings = dict(spec["settings"])
-    llm.generate(spec["prompt_ids"][:8], max_tokens=settings["block_length"], block_length=settings["block_length"],
-                 steps=settings["block_length"], cache=settings["cache"])  # warm-up: first-call costs
+    llm.generate(spec["prompt_ids"][:8], **spec["warmup"])  # warm-up: first-call costs
     with PeakMemory(llm.device) as peak:
         start = time.perf_counter()
         [result] = llm.generate(spec["prompt_ids"], **settings)

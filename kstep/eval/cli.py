@@ -2,7 +2,7 @@
 import argparse
 from pathlib import Path
 
-from kstep.flags import add_command, add_device_flags
+from kstep.flags import add_command, add_device_flags, set_threads
 
 
 def add_eval(sub) -> None:
@@ -15,11 +15,14 @@ def add_eval(sub) -> None:
                          "(default: the shipped held-out stdlib functions)")
     ev.add_argument("--num-prompts", type=int, default=None, help="first K prompts (default: all; --quick: 16)")
     ev.add_argument("--max-tokens", type=int, default=None, help="N (default 128; --quick: 64)")
+    ev.add_argument("--min-tokens", type=int, default=0,
+                    help="no end-of-sequence before this many tokens (N: every completion N tokens, as the "
+                         "speed targets count them)")
     ev.add_argument("--block-length", type=int, default=32)
     ev.add_argument("--thresholds", default="0.5,0.7,0.9")
     ev.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
     ev.add_argument("--quick", action="store_true", help="16 prompts at N = 64: a few minutes on 2 CPU cores")
-    add_device_flags(ev)
+    add_device_flags(ev, threads=True)
     ev.add_argument("--out", default="out/eval")
     ev.set_defaults(run=run_eval_command)
 
@@ -30,9 +33,12 @@ def run_eval_command(args: argparse.Namespace) -> int:
     from kstep.eval.run import block_settings, default_settings, format_table, run_eval
     from kstep.registry import BLOCK_DIFFUSION, FAMILIES
     from kstep.weights import read_model_config
+    set_threads(args.threads)
     n = args.max_tokens or (64 if args.quick else 128)
     if n <= 0 or args.block_length <= 0 or args.batch_size <= 0:
         raise ValueError("--max-tokens, --block-length and --batch-size must be positive")
+    if not 0 <= args.min_tokens <= n:
+        raise ValueError(f"--min-tokens {args.min_tokens} must be in [0, max tokens = {n}]")
     try:
         thresholds = [float(t) for t in args.thresholds.split(",") if t.strip()]
     except ValueError:
@@ -43,6 +49,6 @@ def run_eval_command(args: argparse.Namespace) -> int:
     is_block = FAMILIES[read_model_config(resolve_model(args.model)).family].kind == BLOCK_DIFFUSION
     settings = block_settings(thresholds) if is_block else default_settings(n, args.block_length, thresholds)
     result = run_eval(args.model, args.ar_model, args.judge or args.ar_model, rows, n, settings, args.batch_size,
-                      Path(args.out), args.device, args.dtype)
+                      Path(args.out), args.device, args.dtype, args.min_tokens)
     print(format_table(result))
     return 0

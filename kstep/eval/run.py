@@ -75,7 +75,7 @@ def mean_of(values: list) -> float | None:
 
 def run_eval(diffusion_model: str, ar_model: str, judge_model: str, rows: list[dict], n: int,
              settings: list[Setting], batch_size: int, out: Path, device: str = "cpu",
-             dtype: str = "float32") -> dict:
+             dtype: str = "float32", min_tokens: int = 0) -> dict:
     models = {True: load(diffusion_model, device, dtype), False: load(ar_model, device, dtype)}
     judge = models[False] if judge_model == ar_model else load(judge_model, device, dtype)
     results = []
@@ -84,7 +84,8 @@ def run_eval(diffusion_model: str, ar_model: str, judge_model: str, rows: list[d
         per_prompt = []
         for start in range(0, len(rows), batch_size):
             batch = rows[start:start + batch_size]
-            outs = llm.generate([r["prompt"] for r in batch], max_tokens=n, temperature=0.0, **setting.settings)
+            outs = llm.generate([r["prompt"] for r in batch], max_tokens=n, min_tokens=min_tokens, temperature=0.0,
+                                **setting.settings)
             for row, o in zip(batch, outs, strict=True):
                 per_prompt.append({"nfe": o.nfe, "seconds": o.seconds / len(batch), "tokens": len(o.token_ids),
                                    "text": o.text, **score(row, o.text or "", o.token_ids, judge)})
@@ -102,7 +103,7 @@ def run_eval(diffusion_model: str, ar_model: str, judge_model: str, rows: list[d
         results.append(summary)
         tqdm.write(format_row(summary))
     result = {"diffusion_model": diffusion_model, "ar_model": ar_model, "judge_model": judge_model,
-              "max_tokens": n, "prompts": len(rows), "results": results}
+              "max_tokens": n, "min_tokens": min_tokens, "prompts": len(rows), "results": results}
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(result, indent=2))
     plot(result, out / "quality_vs_nfe.png")

@@ -106,18 +106,24 @@ class ModelRunner:
 
     def ragged_causal_pass(self, ids: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
                            real: torch.Tensor, kv: KVCache, is_causal: bool = True, kind: str = "verify",
-                           columns: torch.Tensor | None = None) -> ForwardPass:
+                           columns: torch.Tensor | None = None, block_size: int | None = None) -> ForwardPass:
         """A pass where each row b writes its T tokens at its own slots [starts[b], starts[b]+T) and
         attends to its cached slots before starts[b] that `real` (B, S_max) marks, plus this pass's
-        tokens: up to itself (`is_causal`: speculative verification) or all of them (a block of a
-        block-diffusion model). Logits for the T positions (only `columns` of them when given)."""
+        tokens: up to itself (`is_causal`: speculative verification), up to the end of its own run of
+        `block_size` (block-causal: a finished block and the next one of a block-diffusion model), or
+        all of them (one block). Logits for the T positions (only `columns` of them when given)."""
         B, T = ids.shape
         offsets = torch.arange(T, device=self.device)
         slots = starts[:, None] + offsets  # (B, T)
         attend_len = int(slots.max()) + 1
         key = torch.arange(attend_len, device=self.device)  # (S,)
         cached = real[:, :attend_len] & (key < starts[:, None])  # (B, S)
-        last = slots[:, :, None] if is_causal else slots[:, -1:, None]  # (B, T|1, 1)
+        if is_causal:
+            last = slots[:, :, None]  # (B, T, 1)
+        elif block_size is not None:
+            last = (starts[:, None] + (offsets // block_size + 1) * block_size - 1)[:, :, None]  # (B, T, 1)
+        else:
+            last = slots[:, -1:, None]  # (B, 1, 1)
         new = (key[None, None, :] >= starts[:, None, None]) & (key[None, None, :] <= last)  # (B, T|1, S)
         mask = (cached[:, None, :] | new)[:, None]  # (B, 1, T|1, S)
         return ForwardPass(ids, positions, mask, 0, T, kind, self, kv, 0, attend_len, slots, columns)
