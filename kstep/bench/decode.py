@@ -186,8 +186,11 @@ def run_quality(model: str, judge: str, n: int, block: int, num_prompts: int, ou
     import kstep
     from kstep.bench.quality import decode_quality
     llm, judge_llm = kstep.load(model), kstep.load(judge)
-    modes = {"exact": dict(max_tokens=n, block_length=block, steps=n, early_stop=False),
-             "dual+threshold": dict(max_tokens=n, block_length=block, steps=n, cache="dual", threshold=0.9)}
+    if is_block_model(resolve_model(model)):
+        modes = {m: dict(max_tokens=n, **settings) for m, settings in BLOCK_MODES.items()}
+    else:
+        modes = {"exact": dict(max_tokens=n, block_length=block, steps=n, early_stop=False),
+                 "dual+threshold": dict(max_tokens=n, block_length=block, steps=n, cache="dual", threshold=0.9)}
     rows = decode_quality(llm, judge_llm, held_out_prompts(resolve_model(model), num_prompts), modes)
     (out / "bench_decode_quality.json").write_text(json.dumps({"model": model, "judge": judge, "n": n,
                                                                "rows": rows}, indent=2) + "\n")

@@ -96,6 +96,7 @@ class BlockDiffusionDecoder(Decoder):
         shares = prefix_cache is not None and prefix_cache.block_size % bs == 0 and bs == runner.cfg.block_size
         self.prefix_cache = prefix_cache if same_rows and shares else None
         self.num_cached_tokens = 0
+        self.columns: torch.Tensor | None = None  # the last pass's columns with logits
         self.row_nfe = torch.zeros(B, dtype=torch.long, device=device)
         self.nfe, self.is_finished = 0, False
         self.lengths = [0] * B  # committed tokens reported per row
@@ -120,8 +121,26 @@ class BlockDiffusionDecoder(Decoder):
         index = starts[:, None] + torch.arange(width, device=starts.device)  # (B, width)
         ids = self.canvas.gather(1, index)
         positions = self.block_starts[:, None] + torch.arange(width, device=starts.device)
+        self.columns = self._read_columns(width)
         return [self.runner.ragged_causal_pass(ids, positions, starts, self.real, self.kv, is_causal=False,
-                                               kind="block", block_size=bs)]
+                                               kind="block", columns=self.columns, block_size=bs)]
+
+    def _read_columns(self, width: int) -> torch.Tensor:
+        """(k,) the pass's positions whose outputs are read (any row): those that predict a mask of a
+        block being denoised, and a commit's last position. The LM head is a small model's largest
+        matmul, and on a CPU its cost grows with the positions it runs on."""
+        bs = self.params.block_length
+        active = self.phase != DONE
+        committing = active & (self.phase == COMMIT)
+        half = committing.long() if width == 2 * bs else torch.zeros_like(committing, dtype=torch.long)
+        offsets = torch.arange(bs, device=half.device)
+        block = self.canvas.gather(1, (self.pads + self.block_starts + half * bs)[:, None] + offsets)
+        source = (half[:, None] * bs + offsets - int(self.rules.is_shifted)).clamp(min=0)  # (B, bs)
+        read = torch.zeros(width, dtype=torch.bool, device=half.device)
+        read[source[(block == self.mask_id) & active[:, None]]] = True
+        if width == bs and bool(committing.any()):  # a commit pass of its own: its last output
+            read[-1] = True
+        return read.nonzero().squeeze(1)
 
     def _fuses_commit(self) -> bool:
         """This pass carries the commit of some row's finished block (it runs two blocks per row)."""
@@ -136,6 +155,10 @@ class BlockDiffusionDecoder(Decoder):
             active = self.phase != DONE
             self.row_nfe += active
             bs = self.params.block_length
+            if self.columns is not None:  # back to (B, width, V); the columns not read stay zero
+                width = 2 * bs if self._fuses_commit() else bs
+                full = logits.new_zeros(logits.shape[0], width, logits.shape[-1])
+                logits = full.index_copy_(1, self.columns, logits)
             if logits.shape[1] == 2 * bs:  # fused: committing rows run [finished; next], the rest [block; scratch]
                 committing = active & (self.phase == COMMIT)
                 self._commit(logits[:, bs - 1], committing)
