@@ -64,5 +64,5 @@ def test_server_reports_prefix_hits(llama_path):
         assert a["choices"] and b["choices"]
         metrics = httpx.get(url + "/metrics").text
         hits = next(float(line.split()[-1]) for line in metrics.splitlines()
-                    if line.startswith("kstep_prefix_cache_hit_tokens "))
+                    if line.startswith('kstep_prefix_cache_hit_tokens{model="tiny"} '))
         assert hits > 0

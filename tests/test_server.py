@@ -19,10 +19,15 @@ def client(url: str, **kw) -> openai.OpenAI:
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
+    """The sum of `name`'s series whose labels include each of `labels` ('status="200"', comma-separated)."""
     text = httpx.get(url + "/metrics").text
-    pattern = re.escape(name + (("{" + labels + "}") if labels else "")) + r" ([0-9.e+-]+)"
-    found = re.search(r"^" + pattern + "$", text, re.M)
-    return float(found.group(1)) if found else 0.0
+    wanted = [w for w in labels.split(",") if w]
+    total = 0.0
+    for found in re.finditer(r"^" + re.escape(name) + r"(?:\{(.*)\})? ([0-9.e+-]+)$", text, re.M):
+        have = (found.group(1) or "").split(",")
+        if all(w in have for w in wanted):
+            total += float(found.group(2))
+    return total
 
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, x):", "x = [", "# sort a list\n",

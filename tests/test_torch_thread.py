@@ -53,17 +53,18 @@ def test_loading_warm_up_and_steps_share_one_thread(llama_path):
     assert load_thread != threading.get_ident()  # and that thread is not the event loop's
 
 
-def test_the_server_warms_up_on_the_thread_the_model_was_loaded_on(llama_path, monkeypatch):
+def test_each_served_model_warms_up_on_the_thread_it_was_loaded_on(llama_path, llada_path, monkeypatch):
     import kstep.server.app as app_module
-    executor = torch_thread()
-    llm = executor.submit(kstep.load, llama_path).result()
-    load_thread = executor.submit(threading.get_ident).result()
-    warm_up_threads = []
-    monkeypatch.setattr(app_module, "warm_up", lambda model: warm_up_threads.append(threading.get_ident()))
-    app = app_module.build_app(llm, app_module.ServeConfig(), executor)
+    executors = [torch_thread(), torch_thread()]
+    llms = [e.submit(kstep.load, path).result() for e, path in zip(executors, (llama_path, llada_path))]
+    load_threads = [e.submit(threading.get_ident).result() for e in executors]
+    warm_up_threads = {}
+    monkeypatch.setattr(app_module, "warm_up", lambda model: warm_up_threads.update({id(model): threading.get_ident()}))
+    app = app_module.build_app([app_module.ServedModel(name, llm, {}, e)
+                                for name, llm, e in zip(("ar", "diffusion"), llms, executors)], app_module.ServeConfig())
 
     async def start_and_stop():
         async with app.router.lifespan_context(app):
             pass
     asyncio.run(start_and_stop())
-    assert warm_up_threads == [load_thread]
+    assert [warm_up_threads[id(llm)] for llm in llms] == load_threads and len(set(load_threads)) == 2

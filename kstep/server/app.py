@@ -1,6 +1,9 @@
 """FastAPI routes of `kstep serve`: /v1/models, /v1/completions, /v1/chat/completions (JSON or
 server-sent events), /health, /metrics. Validation happens here, at the edge (errors.py says no):
-params are resolved for the served model before a request reaches the engine."""
+params are resolved for the served model before a request reaches the engine.
+
+A server may serve several models: each has its own engine (continuous batching, caches, decoding
+defaults) on its own torch thread; a request's `model` picks one."""
 import secrets
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -17,41 +20,64 @@ from kstep.engine.request import Request as EngineRequest
 from kstep.engine.scheduler import QueueFull
 from kstep.llm import LLM
 from kstep.server.errors import APIError, BodySizeLimit, install_error_handlers, param_named_in
-from kstep.server.metrics import Metrics
+from kstep.server.metrics import Metrics, ModelMetrics
 from kstep.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kstep.server.streaming import Stream
 
 
 @dataclass(slots=True)
+class ServedModel:
+    """A model as served: the name clients send, the loaded model, its decoding defaults (GenerationParams
+    fields a request's own fields override) and the thread it was loaded on (`torch_thread`), which
+    then runs every step of its engine."""
+    name: str
+    llm: LLM
+    defaults: dict = field(default_factory=dict)
+    executor: ThreadPoolExecutor | None = None
+
+
+@dataclass(slots=True)
+class ModelRoute:
+    """A served model's request path: its model, defaults, engine and metrics."""
+    name: str
+    llm: LLM
+    defaults: dict
+    engine: AsyncEngine
+    metrics: ModelMetrics
+
+
+@dataclass(slots=True)
 class ServeConfig:
-    model_name: str = "default"
     api_key: str | None = None
     max_batch_size: int = 16
     max_queue: int = 256
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256           # chat requests without max_tokens (completions: 16, as OpenAI)
-    prefix_cache_bytes: int = 256 << 20     # AR prefix cache budget (0: off)
-    defaults: dict = field(default_factory=dict)  # GenerationParams fields the server sets for its model
+    prefix_cache_bytes: int = 256 << 20     # AR prefix cache budget per model (0: off)
 
 
-def build_app(llm: LLM, config: ServeConfig, executor: ThreadPoolExecutor | None = None) -> FastAPI:
-    """`executor`: the thread the model was loaded on (`torch_thread`), which then runs every step."""
+def build_app(models: list[ServedModel], config: ServeConfig) -> FastAPI:
+    if not models or len({m.name for m in models}) != len(models):
+        raise ValueError(f"served model names must be given and distinct, got {[m.name for m in models]}")
     metrics = Metrics()
-    engine = Engine(llm, config.max_batch_size, config.max_queue, config.prefix_cache_bytes)
-    async_engine = AsyncEngine(engine, metrics.observe_step, executor)
+    routes = Routes(config, [
+        ModelRoute(m.name, m.llm, m.defaults, AsyncEngine(
+            Engine(m.llm, config.max_batch_size, config.max_queue, config.prefix_cache_bytes),
+            metrics.for_model(m.name).observe_step, m.executor), metrics.for_model(m.name)) for m in models])
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await async_engine.run_on_torch_thread(warm_up, llm)
-        await async_engine.start()
+        for route in routes.by_name.values():
+            await route.engine.run_on_torch_thread(warm_up, route.llm)
+            await route.engine.start()
         yield
-        await async_engine.stop()
+        for route in routes.by_name.values():
+            await route.engine.stop()
 
     app = FastAPI(title="kstep", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
-    app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
+    app.state.routes, app.state.metrics, app.state.config = routes, metrics, config
     install_error_handlers(app, metrics)
-    routes = Routes(llm, config, async_engine, metrics)
 
     def check_key(request: Request) -> None:
         if config.api_key is None:
@@ -63,7 +89,10 @@ def build_app(llm: LLM, config: ServeConfig, executor: ThreadPoolExecutor | None
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "running": engine.scheduler.num_running, "waiting": engine.scheduler.num_waiting}
+        schedulers = {name: r.engine.engine.scheduler for name, r in routes.by_name.items()}
+        return {"status": "ok", "running": sum(s.num_running for s in schedulers.values()),
+                "waiting": sum(s.num_waiting for s in schedulers.values()),
+                "models": {name: {"running": s.num_running, "waiting": s.num_waiting} for name, s in schedulers.items()}}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -85,28 +114,34 @@ def build_app(llm: LLM, config: ServeConfig, executor: ThreadPoolExecutor | None
 
 
 class Routes:
-    """The OpenAI endpoints' work: encode and validate at the edge, submit, respond."""
+    """The OpenAI endpoints' work: pick the model, encode and validate at the edge, submit, respond."""
 
-    def __init__(self, llm: LLM, config: ServeConfig, engine: AsyncEngine, metrics: Metrics):
-        self.llm, self.config, self.engine, self.metrics = llm, config, engine, metrics
+    def __init__(self, config: ServeConfig, routes: list[ModelRoute]):
+        self.config = config
+        self.by_name = {r.name: r for r in routes}
 
     def models(self) -> dict:
-        llm = self.llm
         return {"object": "list", "data": [{
-            "id": self.config.model_name, "object": "model", "created": 0, "owned_by": "kstep",
-            "kind": llm.kind, "family": llm.cfg.family, "max_model_len": llm.cfg.max_positions}]}
+            "id": name, "object": "model", "created": 0, "owned_by": "kstep", "kind": r.llm.kind,
+            "family": r.llm.cfg.family, "max_model_len": r.llm.cfg.max_positions} for name, r in self.by_name.items()]}
 
-    def _prepare(self, body: SamplingFields, prompts: list[list[int]], is_text: list[bool],
+    def route(self, body: SamplingFields, request: Request) -> ModelRoute:
+        route = self.by_name.get(body.model)
+        if route is None:
+            served = ", ".join(repr(name) for name in self.by_name)
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {served}",
+                           "model", "model_not_found")
+        request.state.model = route.name  # errors from here on are this model's (metrics)
+        return route
+
+    def _prepare(self, route: ModelRoute, body: SamplingFields, prompts: list[list[int]], is_text: list[bool],
                  default_max_tokens: int) -> EngineRequest:
         """Params resolved for the model, text prompts token-healed, the context checked."""
-        llm, config = self.llm, self.config
-        if body.model != config.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {config.model_name!r}",
-                           "model", "model_not_found")
+        llm = route.llm
         if (field_name := body.unsupported()) is not None:
             raise APIError(400, f"{field_name} is not supported by kstep", field_name)
         try:
-            params = llm.resolve(body.generation_params(config.defaults, default_max_tokens))
+            params = llm.resolve(body.generation_params(route.defaults, default_max_tokens))
             stop = body.stop_strings()
         except ValueError as e:
             raise APIError(400, str(e), param_named_in(str(e), set(SamplingFields.model_fields))) from None
@@ -122,48 +157,51 @@ class Routes:
         return EngineRequest(prompts, params, body.n, stop, include_canvas and body.stream,
                              given_back=[text for _, text, _ in healed], first_tokens=[ids for _, _, ids in healed])
 
-    def _encode(self, prompt) -> list[int]:
+    @staticmethod
+    def _encode(llm: LLM, prompt) -> list[int]:
         try:
-            return self.llm.encode_prompt(prompt)
+            return llm.encode_prompt(prompt)
         except ValueError as e:
             raise APIError(400, str(e), "prompt") from None
 
     async def completions(self, body: CompletionRequest, request: Request):
+        route = self.route(body, request)
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported by kstep", "suffix")
         raw = body.prompt
         if isinstance(raw, list) and not raw:
             raise APIError(400, "prompt is empty: give at least one token", "prompt")
         items = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else raw
-        prompts = [self._encode(p) for p in items]
-        tokenizer = self.llm.tokenizer
+        prompts = [self._encode(route.llm, p) for p in items]
+        tokenizer = route.llm.tokenizer
         echo = [(p if isinstance(p, str) else tokenizer.decode(ids) if tokenizer else "") if body.echo else ""
                 for p, ids in zip(items, prompts, strict=True)]
-        engine_request = self._prepare(body, prompts, [isinstance(p, str) for p in items], 16)
-        return await self._respond(request, engine_request, body, chat=False,
+        engine_request = self._prepare(route, body, prompts, [isinstance(p, str) for p in items], 16)
+        return await self._respond(route, request, engine_request, body, chat=False,
                                    prefixes=[echo[i // body.n] for i in range(engine_request.num_rows)])
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        route = self.route(body, request)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt = self.llm.chat_prompt(messages)
+            prompt = route.llm.chat_prompt(messages)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:  # a template error is the request's fault (its messages), not the server's
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
         # A chat prompt ends with the template's own text: taken as given (as `kstep generate --chat`).
-        engine_request = self._prepare(body, [prompt], [False], self.config.default_max_tokens)
-        return await self._respond(request, engine_request, body, chat=True,
+        engine_request = self._prepare(route, body, [prompt], [False], self.config.default_max_tokens)
+        return await self._respond(route, request, engine_request, body, chat=True,
                                    prefixes=[""] * engine_request.num_rows)
 
-    async def _respond(self, request: Request, engine_request: EngineRequest, body: SamplingFields, chat: bool,
-                       prefixes: list[str]):
+    async def _respond(self, route: ModelRoute, request: Request, engine_request: EngineRequest, body: SamplingFields,
+                       chat: bool, prefixes: list[str]):
         try:
-            queue = self.engine.submit(engine_request)
+            queue = route.engine.submit(engine_request)
         except QueueFull as e:
             raise APIError(429, str(e), code="queue_full", kind="rate_limit_error") from None
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        stream = Stream(response_id, self.config.model_name, chat, engine_request, prefixes)
+        stream = Stream(response_id, route.name, chat, engine_request, prefixes)
         if body.stream:
-            return StreamingResponse(stream.events(queue, self.engine, self.metrics), media_type="text/event-stream")
-        return await stream.collect(queue, request, self.engine, self.metrics)
+            return StreamingResponse(stream.events(queue, route.engine, route.metrics), media_type="text/event-stream")
+        return await stream.collect(queue, request, route.engine, route.metrics)

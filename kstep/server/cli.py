@@ -1,15 +1,21 @@
-"""`kstep serve`: load the model on the engine's torch thread and run the OpenAI-compatible app."""
+"""`kstep serve`: load each model on its engine's torch thread and run the OpenAI-compatible app."""
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 from kstep.flags import add_command, add_device_flags, add_knob_flags, knobs_given
 
 
 def add_serve(sub) -> None:
     serve = add_command(sub, "serve", "an OpenAI-compatible HTTP server with continuous batching")
-    serve.add_argument("--model", default="default", help="checkpoint directory or bundled model name")
-    serve.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
+    serve.add_argument("--model", action="append", default=None, metavar="[NAME=]MODEL[:KEY=VALUE,...]",
+                       help="a model to serve (repeat for several, each with its own engine): a checkpoint "
+                            "directory or bundled name; NAME is what clients send (default: MODEL); options "
+                            "for this model alone: draft=, quantize=, any decoding default below (e.g. "
+                            "default-ar:draft=ngram, default:exact=true). Default: default")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the `model` clients send, with one --model (default: --model)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("KSTEP_API_KEY"),
@@ -19,16 +25,17 @@ def add_serve(sub) -> None:
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="chat max_tokens when not given")
     serve.add_argument("--prefix-cache-mib", type=int, default=256,
-                       help="AR prefix cache budget in MiB (0 turns it off; diffusion models never use it)")
+                       help="prefix cache budget per model in MiB (0 turns it off; AR and block-diffusion models)")
     serve.add_argument("--graceful-timeout", type=float, default=30.0,
                        help="seconds SIGTERM waits for in-flight requests before exiting")
     add_device_flags(serve, threads=True)
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--quantize", default=None, choices=["int8", "int4"],
-                       help="weight-only quantization of the linear layers at load time")
+                       help="weight-only quantization of the linear layers at load time (every model)")
     serve.add_argument("--draft", default=None,
-                       help="speculative decoding for an AR --model: a draft model or 'ngram' (no model)")
-    defaults = serve.add_argument_group("decoding defaults for this model (a request's fields override them)")
+                       help="speculative decoding for the AR models: a draft model or 'ngram' (no model)")
+    defaults = serve.add_argument_group("decoding defaults for every model that takes them (a --model option "
+                                        "overrides one for its model, a request's fields override both)")
     add_knob_flags(defaults, server_defaults=True)
     serve.set_defaults(run=run_serve)
 
@@ -40,28 +47,44 @@ def run_serve(args: argparse.Namespace) -> int:
     from kstep.engine.async_engine import torch_thread
     from kstep.llm import load
     from kstep.params import GenerationParams, knob_applies
-    from kstep.server.app import ServeConfig, build_app
+    from kstep.server.app import ServeConfig, ServedModel, build_app
+    from kstep.server.model_specs import parse_model_spec
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix-cache-mib {args.prefix_cache_mib} must be >= 0")
     for name in ("port", "max_batch_size", "max_queue", "max_body_bytes", "default_max_tokens"):
         if getattr(args, name) <= 0 or (name == "port" and args.port > 65535):
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
-    defaults = knobs_given(args)
-    GenerationParams(**defaults)  # a bad default fails now, naming the flag's value
+    shared = knobs_given(args)
+    GenerationParams(**shared)  # a bad default fails now, naming the flag's value
+    specs = [parse_model_spec(text) for text in args.model or ["default"]]
+    if args.served_model_name is not None:
+        if len(specs) > 1:
+            raise ValueError("--served-model-name names the one --model; with several, name each as NAME=MODEL")
+        specs[0] = replace(specs[0], name=args.served_model_name)
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--model: two models are served as {next(n for n in names if names.count(n) > 1)!r}; "
+                         "name them apart with NAME=MODEL")
 
-    def load_model():
+    def load_model(spec):
         if args.threads is not None:  # OpenMP's thread count is per thread: set it where torch runs
             torch.set_num_threads(args.threads)
-        return load(args.model, device=args.device, dtype=args.dtype, draft=args.draft, quantize=args.quantize)
-    executor = torch_thread()
-    llm = executor.submit(load_model).result()
-    defaults = {k: v for k, v in defaults.items() if knob_applies(k, llm.cfg.family, llm.kind)}
-    config = ServeConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                         max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+        return load(spec.model, device=args.device, dtype=args.dtype, draft=spec.draft or args.draft,
+                    quantize=spec.quantize or args.quantize)
+    served = []
+    for spec in specs:
+        executor = torch_thread()  # each model's engine steps on its own thread
+        llm = executor.submit(load_model, spec).result()
+        defaults = {k: v for k, v in shared.items() if knob_applies(k, llm.cfg.family, llm.kind)}
+        for k in spec.defaults:
+            if not knob_applies(k, llm.cfg.family, llm.kind):
+                raise ValueError(f"--model {spec.name}: {k} does not apply to a {llm.cfg.family} model")
+        served.append(ServedModel(spec.name, llm, {**defaults, **spec.defaults}, executor))
+        print(f"kstep serve: {spec.name} ({llm.kind}, {llm.path}) on http://{args.host}:{args.port}/v1",
+              file=sys.stderr, flush=True)
+    config = ServeConfig(api_key=args.api_key, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
-                         prefix_cache_bytes=args.prefix_cache_mib << 20, defaults=defaults)
-    print(f"kstep serve: {config.model_name} ({llm.kind}, {llm.path}) on http://{args.host}:{args.port}/v1",
-          file=sys.stderr, flush=True)
-    uvicorn.run(build_app(llm, config, executor), host=args.host, port=args.port, log_level=args.log_level,
+                         prefix_cache_bytes=args.prefix_cache_mib << 20)
+    uvicorn.run(build_app(served, config), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.graceful_timeout)
     return 0

@@ -96,7 +96,8 @@ def _validation_message(e: RequestValidationError) -> APIError:
 def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        metrics.observe_request(str(e.status))
+        # the served model it named, once routed ("" before: an unknown name is no label value)
+        metrics.observe_request(getattr(request.state, "model", ""), str(e.status))
         return e.response()
 
     @app.exception_handler(RequestValidationError)

@@ -1,5 +1,6 @@
 """Prometheus metrics (prometheus-client), one registry per server so that several servers can
-live in one process (the tests)."""
+live in one process (the tests). Every series carries a `model` label: the served name of the model
+it is about ("" for a request refused before it named a served model)."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kstep.engine.engine import Engine, StepStats
@@ -10,52 +11,71 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class Metrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
+        m = ["model"]
         self.requests = Counter("kstep_requests", "Finished requests by HTTP status (or 'cancelled')",
-                                ["status"], registry=r)
-        self.prompt_tokens = Counter("kstep_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.completion_tokens = Counter("kstep_completion_tokens", "Completion tokens of finished requests",
+                                ["model", "status"], registry=r)
+        self.prompt_tokens = Counter("kstep_prompt_tokens", "Prompt tokens of finished requests", m, registry=r)
+        self.completion_tokens = Counter("kstep_completion_tokens", "Completion tokens of finished requests", m,
                                          registry=r)
-        self.forward_passes = Counter("kstep_forward_passes", "Engine forward passes (each serves a batch)",
+        self.forward_passes = Counter("kstep_forward_passes", "Engine forward passes (each serves a batch)", m,
                                       registry=r)
         self.step_tokens = Histogram("kstep_step_committed_tokens", "Tokens committed per forward pass, whole batch",
-                                     buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
+                                     m, buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         self.request_tokens_per_pass = Histogram(
             "kstep_request_tokens_per_forward_pass", "Per finished request: completion tokens / its forward passes",
-            buckets=(0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 16, 32), registry=r)
-        self.step_seconds = Histogram("kstep_step_seconds", "Latency of one engine step (one forward pass)",
+            m, buckets=(0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 16, 32), registry=r)
+        self.step_seconds = Histogram("kstep_step_seconds", "Latency of one engine step (one forward pass)", m,
                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("kstep_batch_size", "Requests per forward pass",
+        self.batch_size = Histogram("kstep_batch_size", "Requests per forward pass", m,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
-        self.queue_depth = Gauge("kstep_queue_depth", "Requests waiting for a batch slot", registry=r)
-        self.running = Gauge("kstep_running_requests", "Requests in the running batch", registry=r)
-        self.ttft = Histogram("kstep_time_to_first_token_seconds", "Time to the first streamed text",
+        self.queue_depth = Gauge("kstep_queue_depth", "Requests waiting for a batch slot", m, registry=r)
+        self.running = Gauge("kstep_running_requests", "Requests in the running batch", m, registry=r)
+        self.ttft = Histogram("kstep_time_to_first_token_seconds", "Time to the first streamed text", m,
                               buckets=LATENCY_BUCKETS, registry=r)
         self.prefix_hit_tokens = Gauge("kstep_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                       registry=r)
+                                       m, registry=r)
         self.prefix_query_tokens = Gauge("kstep_prefix_cache_query_tokens", "Prompt tokens looked up in the cache",
-                                         registry=r)
-        self.prefix_bytes = Gauge("kstep_prefix_cache_bytes", "Bytes held by the prefix cache", registry=r)
-        self.request_seconds = Histogram("kstep_request_seconds", "Request latency, arrival to last byte",
+                                         m, registry=r)
+        self.prefix_bytes = Gauge("kstep_prefix_cache_bytes", "Bytes held by the prefix cache", m, registry=r)
+        self.request_seconds = Histogram("kstep_request_seconds", "Request latency, arrival to last byte", m,
                                          buckets=LATENCY_BUCKETS, registry=r)
 
+    def for_model(self, model: str) -> "ModelMetrics":
+        return ModelMetrics(self, model)
+
+    def observe_request(self, model: str, status: str, prompt_tokens: int = 0, completion_tokens: int = 0,
+                        nfe: int = 0, seconds: float | None = None) -> None:
+        self.requests.labels(model, status).inc()
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.completion_tokens.labels(model).inc(completion_tokens)
+        if nfe:
+            self.request_tokens_per_pass.labels(model).observe(completion_tokens / nfe)
+        if seconds is not None:
+            self.request_seconds.labels(model).observe(seconds)
+
+
+class ModelMetrics:
+    """The metrics of one served model (its label bound)."""
+
+    def __init__(self, metrics: Metrics, model: str):
+        self.metrics, self.model = metrics, model
+
     def observe_step(self, stats: StepStats, engine: Engine) -> None:
-        self.forward_passes.inc(stats.num_passes)
-        self.step_tokens.observe(stats.num_committed)
-        self.step_seconds.observe(stats.seconds)
-        self.batch_size.observe(stats.batch_size)
-        self.queue_depth.set(engine.scheduler.num_waiting)
-        self.running.set(engine.scheduler.num_running)
+        m, label = self.metrics, self.model
+        m.forward_passes.labels(label).inc(stats.num_passes)
+        m.step_tokens.labels(label).observe(stats.num_committed)
+        m.step_seconds.labels(label).observe(stats.seconds)
+        m.batch_size.labels(label).observe(stats.batch_size)
+        m.queue_depth.labels(label).set(engine.scheduler.num_waiting)
+        m.running.labels(label).set(engine.scheduler.num_running)
         if engine.prefix_cache is not None:
-            self.prefix_hit_tokens.set(engine.prefix_cache.hit_tokens)
-            self.prefix_query_tokens.set(engine.prefix_cache.query_tokens)
-            self.prefix_bytes.set(engine.prefix_cache.nbytes)
+            m.prefix_hit_tokens.labels(label).set(engine.prefix_cache.hit_tokens)
+            m.prefix_query_tokens.labels(label).set(engine.prefix_cache.query_tokens)
+            m.prefix_bytes.labels(label).set(engine.prefix_cache.nbytes)
 
     def observe_request(self, status: str, prompt_tokens: int = 0, completion_tokens: int = 0, nfe: int = 0,
                         seconds: float | None = None) -> None:
-        self.requests.labels(status).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.completion_tokens.inc(completion_tokens)
-        if nfe:
-            self.request_tokens_per_pass.observe(completion_tokens / nfe)
-        if seconds is not None:
-            self.request_seconds.observe(seconds)
+        self.metrics.observe_request(self.model, status, prompt_tokens, completion_tokens, nfe, seconds)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.metrics.ttft.labels(self.model).observe(seconds)

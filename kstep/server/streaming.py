@@ -12,7 +12,7 @@ from kstep.engine.async_engine import AsyncEngine
 from kstep.engine.request import Request as EngineRequest
 from kstep.engine.request import RequestOutput
 from kstep.server.errors import APIError
-from kstep.server.metrics import Metrics
+from kstep.server.metrics import ModelMetrics
 
 
 class Stream:
@@ -43,13 +43,13 @@ class Stream:
             changes.append((c.index, text, c.finish_reason, c.canvas))
         return changes
 
-    def _observe_finish(self, metrics: Metrics, out: RequestOutput) -> None:
+    def _observe_finish(self, metrics: ModelMetrics, out: RequestOutput) -> None:
         metrics.observe_request("200", out.prompt_tokens, out.completion_tokens, out.step,
                                 time.monotonic() - self.request.arrival_time)
         if self.first_token_time is not None:
-            metrics.ttft.observe(self.first_token_time - self.request.arrival_time)
+            metrics.observe_ttft(self.first_token_time - self.request.arrival_time)
 
-    async def collect(self, queue: asyncio.Queue, http_request: Request, engine: AsyncEngine, metrics: Metrics):
+    async def collect(self, queue: asyncio.Queue, http_request: Request, engine: AsyncEngine, metrics: ModelMetrics):
         while True:
             try:
                 out = await asyncio.wait_for(queue.get(), timeout=0.25)
@@ -81,7 +81,7 @@ class Stream:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    async def events(self, queue: asyncio.Queue, engine: AsyncEngine, metrics: Metrics) -> AsyncIterator[str]:
+    async def events(self, queue: asyncio.Queue, engine: AsyncEngine, metrics: ModelMetrics) -> AsyncIterator[str]:
         """SSE chunks of newly committed text; the last carries the finish reasons and usage."""
         is_done = False
         try:
