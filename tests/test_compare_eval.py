@@ -16,7 +16,7 @@ from kstep.bench.cost_model import (
 )
 from kstep.eval.execution import humaneval_program, passes_tests
 from kstep.eval.metrics import edit_distance, function_part, normalized_edit_distance
-from kstep.eval.run import default_settings, run_eval
+from kstep.eval.run import block_settings, default_settings, run_eval
 from kstep.models import ModelConfig
 
 CFG = ModelConfig(family="llama", attention="causal", vocab_size=500, embedding_size=500, d_model=64, n_layers=2,
@@ -79,6 +79,14 @@ def test_default_settings_sweep_k_and_threshold():
     assert names == ["diffusion K=8", "diffusion K=16", "diffusion K=32", "diffusion K=64",
                      "diffusion dual threshold=0.5", "diffusion dual threshold=0.7", "diffusion dual threshold=0.9",
                      "ar"]
+
+
+def test_block_settings_sweep_thresholds_and_block_lengths():
+    settings = block_settings([0.9], [4, 16], include_ar=False)
+    assert [s.name for s in settings] == ["block exact block=4", "block threshold=0.9 block=4",
+                                          "block exact block=16", "block threshold=0.9 block=16"]
+    assert settings[1].settings == {"threshold": 0.9, "block_length": 4}
+    assert [s.settings for s in block_settings([0.9])] == [{"exact": True}, {"threshold": 0.9}, {}]
 
 
 def test_compare_and_eval_run_end_to_end(llada_path, llama_path, tmp_path):

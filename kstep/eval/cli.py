@@ -2,7 +2,7 @@
 import argparse
 from pathlib import Path
 
-from kstep.flags import add_command, add_device_flags, set_threads
+from kstep.flags import add_command, add_device_flags, positive_ints, set_threads
 
 
 def add_eval(sub) -> None:
@@ -18,7 +18,10 @@ def add_eval(sub) -> None:
     ev.add_argument("--min-tokens", type=int, default=0,
                     help="no end-of-sequence before this many tokens (N: every completion N tokens, as the "
                          "speed targets count them)")
-    ev.add_argument("--block-length", type=int, default=32)
+    ev.add_argument("--block-length", default=None,
+                    help="LLaDA/Dream: the semi-autoregressive block (default 32); block diffusion: block "
+                         "lengths to decode with, comma-separated (default: the model's own)")
+    ev.add_argument("--no-ar", dest="ar", action="store_false", help="skip the AR model's row")
     ev.add_argument("--thresholds", default="0.5,0.7,0.9")
     ev.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
     ev.add_argument("--quick", action="store_true", help="16 prompts at N = 64: a few minutes on 2 CPU cores")
@@ -35,8 +38,9 @@ def run_eval_command(args: argparse.Namespace) -> int:
     from kstep.weights import read_model_config
     set_threads(args.threads)
     n = args.max_tokens or (64 if args.quick else 128)
-    if n <= 0 or args.block_length <= 0 or args.batch_size <= 0:
-        raise ValueError("--max-tokens, --block-length and --batch-size must be positive")
+    if n <= 0 or args.batch_size <= 0:
+        raise ValueError("--max-tokens and --batch-size must be positive")
+    blocks = positive_ints("--block-length", args.block_length) if args.block_length else None
     if not 0 <= args.min_tokens <= n:
         raise ValueError(f"--min-tokens {args.min_tokens} must be in [0, max tokens = {n}]")
     try:
@@ -47,7 +51,13 @@ def run_eval_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--thresholds {args.thresholds!r}: each must be in (0, 1]")
     rows = prompt_rows(args.prompts, args.num_prompts or (16 if args.quick else None))
     is_block = FAMILIES[read_model_config(resolve_model(args.model)).family].kind == BLOCK_DIFFUSION
-    settings = block_settings(thresholds) if is_block else default_settings(n, args.block_length, thresholds)
+    if is_block:
+        settings = block_settings(thresholds, blocks, args.ar)
+    else:
+        if blocks is not None and len(blocks) > 1:
+            raise ValueError(f"--block-length {args.block_length!r}: one block length for a LLaDA/Dream model")
+        settings = default_settings(n, blocks[0] if blocks else 32, thresholds)
+        settings = settings if args.ar else [s for s in settings if s.is_diffusion]
     result = run_eval(args.model, args.ar_model, args.judge or args.ar_model, rows, n, settings, args.batch_size,
                       Path(args.out), args.device, args.dtype, args.min_tokens)
     print(format_table(result))

@@ -44,13 +44,18 @@ def default_settings(n: int, block_length: int, thresholds=(0.5, 0.7, 0.9)) -> l
     return out
 
 
-def block_settings(thresholds=(0.5, 0.7, 0.9)) -> list[Setting]:
-    """For a block-diffusion model: one token per pass (the exact schedule), each threshold (the
-    model's own block size), and AR."""
-    out = [Setting("block exact", "block diffusion K", True, {"exact": True})]
-    out += [Setting(f"block threshold={tau}", "block diffusion threshold", True, {"threshold": tau})
-            for tau in thresholds]
-    return out + [Setting("ar", "ar", False, {})]
+def block_settings(thresholds=(0.5, 0.7, 0.9), block_lengths: list[int] | None = None,
+                   include_ar: bool = True) -> list[Setting]:
+    """For a block-diffusion model: one token per pass (the exact schedule), each threshold, at the
+    model's own block size (or each of `block_lengths`, decoding with blocks other than those it was
+    trained on), and AR."""
+    out = []
+    for block in block_lengths or [None]:
+        knobs, tag = ({}, "") if block is None else ({"block_length": block}, f" block={block}")
+        out.append(Setting(f"block exact{tag}", "block diffusion K", True, {"exact": True, **knobs}))
+        out += [Setting(f"block threshold={tau}{tag}", "block diffusion threshold", True, {"threshold": tau, **knobs})
+                for tau in thresholds]
+    return out + ([Setting("ar", "ar", False, {})] if include_ar else [])
 
 
 def score(row: dict, text: str, token_ids: list[int], judge: LLM) -> dict:
