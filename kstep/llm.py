@@ -65,14 +65,16 @@ class LLM:
             self._check_draft(self.draft)
 
     def _checkpoint_defaults(self) -> dict:
-        """Knob values generation_config.json gives for knobs kstep leaves unset by default (Dream's
-        `eps`, `alg_temp`; the family's own, such as a block model's block size, come from the
-        registry). Its other keys
-        (e.g. Dream's `steps: 512`, `alg: origin`) are not taken: kstep's defaults decide those."""
+        """Knob values generation_config.json gives for knobs kstep leaves unset by default, as vLLM
+        takes a checkpoint's sampling defaults: Dream's `eps`, `alg_temp`; a block model's `threshold`
+        and `small_block_size` (Fast-dLLM v2's name for `sub_block_length`). The family's own (a
+        block model's block size) come from the registry. Its other keys (e.g. Dream's `steps: 512`,
+        `alg: origin`) are not taken: kstep's defaults decide those."""
         path = self.path / "generation_config.json"
         raw = read_json(path) if path.is_file() else {}
-        return {name: raw[name] for name in ("eps", "alg_temp") if raw.get(name) is not None
-                and knob_applies(name, self.cfg.family, self.family.kind)}
+        names = {"eps": "eps", "alg_temp": "alg_temp", "threshold": "threshold", "small_block_size": "sub_block_length"}
+        return {knob: raw[key] for key, knob in names.items() if raw.get(key) is not None
+                and knob_applies(knob, self.cfg.family, self.family.kind)}
 
     def _check_draft(self, draft: "LLM") -> None:
         """A draft must be an AR model over the same vocabulary: its token ids mean the target's."""
@@ -101,7 +103,13 @@ class LLM:
 
     def resolve(self, params: GenerationParams) -> GenerationParams:
         """`params` resolved for this model's family (raises ValueError naming a bad knob)."""
-        defaults = {**self.family.knob_defaults(self.cfg, params), **self.checkpoint_defaults}
+        checkpoint = dict(self.checkpoint_defaults)
+        if params.exact or params.steps is not None or params.factor is not None:
+            checkpoint.pop("threshold", None)  # the request chose another unmask policy
+        block = params.block_length or self.cfg.block_size
+        if block and block % checkpoint.get("sub_block_length", block):
+            checkpoint.pop("sub_block_length")  # the request's block is not made of the checkpoint's sub-blocks
+        defaults = {**self.family.knob_defaults(self.cfg, params), **checkpoint}
         unset = {k: v for k, v in defaults.items() if getattr(params, k) is None}
         if unset and not params.is_resolved:
             params = replace(params, **unset)

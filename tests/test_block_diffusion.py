@@ -111,6 +111,22 @@ def test_block_defaults_and_refused_knobs(v2_path):
         llm.generate([5, 6], max_tokens=8, steps=9)
 
 
+def test_generation_config_sets_the_checkpoint_s_decoding_defaults(v2_path, tmp_path):
+    import json
+    import shutil
+    path = shutil.copytree(v2_path, tmp_path / "v2")
+    (path / "generation_config.json").write_text(json.dumps({"threshold": 0.7, "small_block_size": 4}))
+    llm = kstep.load(path)
+    params = llm.resolve(kstep.GenerationParams(max_tokens=16))
+    assert params.policy.value == 0.7 and params.sub_block_length == 4  # Fast-dLLM v2's names, as vLLM reads it
+    assert llm.resolve(kstep.GenerationParams(max_tokens=16, threshold=0.9, sub_block_length=8)).policy.value == 0.9
+    exact = llm.resolve(kstep.GenerationParams(max_tokens=16, exact=True))  # another policy: no threshold forced
+    assert exact.policy.kind == "fixed" and exact.sub_block_length == 4
+    assert llm.resolve(kstep.GenerationParams(max_tokens=16, block_length=2)).sub_block_length == 2
+    got = llm.generate(prompt_ids(5, 5), max_tokens=16)[0]
+    assert got.token_ids == llm.generate(prompt_ids(5, 5), max_tokens=16, threshold=0.7, sub_block_length=4)[0].token_ids
+
+
 def test_engine_packs_block_requests_and_streams_the_committed_prefix(v2_path):
     """Requests joining at different steps share passes; each gets what it gets alone, and what is
     streamed is only ever the committed prefix (never retracted)."""
@@ -137,7 +153,7 @@ def test_engine_packs_block_requests_and_streams_the_committed_prefix(v2_path):
 
 
 def test_bench_compare_sides_follow_the_model_kind(v2_path):
-    from kstep.bench.compare import SIDES, default_sides, floor_cost, params_for
+    from kstep.bench.compare import SIDES, default_sides, params_for
     assert default_sides("block-diffusion") == ["block exact", "block threshold", "ar"]
     assert "diffusion exact" in default_sides("diffusion") and "block exact" not in default_sides("diffusion")
     llm = kstep.load(v2_path)

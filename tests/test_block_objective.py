@@ -4,7 +4,6 @@ it, a block pass over its noisy block, the shift: the first token of a block fro
 block's last position); the loss trains and the trained model reloads and decodes."""
 import torch
 
-import kstep
 from kstep.models import Transformer
 from kstep.runner.model_runner import ModelRunner
 from kstep.train.block_objective import block_diffusion_loss, block_training_mask, shifted_sources

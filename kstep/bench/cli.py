@@ -35,7 +35,7 @@ def _add_decode(kinds) -> None:
                         help="extrapolate fixed-schedule cells whose full run would take longer")
     decode.add_argument("--no-extrapolate", dest="extrapolate", action="store_false")
     decode.add_argument("--quality-prompts", type=int, default=8,
-                        help="held-out prompts for the quality check of the bundled pair (0: skip)")
+                        help="held-out prompts for the quality check of a bundled diffusion model (0: skip)")
     decode.add_argument("--quality-length", type=int, default=128)
     decode.add_argument("--out", default="out/bench")
     decode.set_defaults(run=run_decode)
@@ -56,10 +56,12 @@ def run_decode(args: argparse.Namespace) -> int:
     rows = run_bench(models, lengths, args.block_length, modes, args.device, args.dtype, Path(args.out),
                      args.max_cell_seconds, args.extrapolate, args.threads, args.large)
     print(format_table(rows))
-    if args.quality_prompts > 0 and models == ["default"]:
-        quality = run_quality("default", "default-ar", args.quality_length, args.block_length, args.quality_prompts,
+    # the quality check needs held-out prompts (a model trained here) and the AR twin as judge
+    judged = next((m for m in models if m in ("default", "llada-coder")), None)
+    if args.quality_prompts > 0 and judged is not None:
+        quality = run_quality(judged, "default-ar", args.quality_length, args.block_length, args.quality_prompts,
                               Path(args.out))
-        print(f"\nquality at N={args.quality_length}, judged by default-ar:\n" + format_quality(quality))
+        print(f"\nquality of {judged} at N={args.quality_length}, judged by default-ar:\n" + format_quality(quality))
     return 0
 
 
@@ -83,7 +85,7 @@ def _add_compare(kinds) -> None:
 
 
 def run_compare_command(args: argparse.Namespace) -> int:
-    from kstep.bench.compare import SIDES, default_sides, format_table, run_compare
+    from kstep.bench.compare import default_sides, format_table, run_compare
     from kstep.bench.cost_model import Device
     from kstep.bench.prompts import prompt_rows
     from kstep.bundled import resolve_model
@@ -113,7 +115,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
 
 def _add_quant(kinds) -> None:
     bquant = add_command(kinds, "quant", "weight-only int8/int4: memory, time per pass, held-out NLL")
-    bquant.add_argument("--models", default="default-ar,default", help="comma-separated checkpoints or bundled names")
+    bquant.add_argument("--models", default="default-ar,llada-coder", help="comma-separated checkpoints or bundled names")
     bquant.add_argument("--modes", default="none,int8,int4")
     bquant.add_argument("--windows", type=int, default=16, help="held-out windows scored")
     bquant.add_argument("--seq-len", type=int, default=512)
