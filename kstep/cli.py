@@ -20,7 +20,8 @@ def add_generate(sub) -> None:
                       "PROMPT ...")
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (several run as one batch)")
     gen.add_argument("--model", default="default",
-                     help="checkpoint directory, or a bundled model: default (diffusion), default-ar, default-draft")
+                     help="checkpoint directory, or a bundled model: default (block-diffusion coder), default-ar, "
+                          "default-draft, llada-coder (full-attention diffusion)")
     gen.add_argument("--prompt-ids", type=_ids, action="append", default=[], metavar="1,2,3",
                      help="a prompt as token ids (repeat for a batch)")
     gen.add_argument("--chat", action="store_true", help="wrap each text prompt in the checkpoint's chat template")

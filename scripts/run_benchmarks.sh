@@ -7,20 +7,21 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-docs}
 KSTEP=.venv/bin/kstep
 mkdir -p "$OUT/bench/ar" "$OUT/bench/exact" "$OUT/compare" "$OUT/eval"
-$KSTEP bench decode --max-cell-seconds 30 --out "$OUT/bench" | tee "$OUT/bench/bench_decode.md"
-# the diffusion model with its default decoding (dual cache + threshold 0.9), then with the exact sampler
-$KSTEP bench serve --model default --concurrency 16 --duration 60 --max-tokens 64 --threads 2 \
+$KSTEP bench decode --model llada-coder --max-cell-seconds 30 --out "$OUT/bench" | tee "$OUT/bench/bench_decode.md"
+# the full-attention diffusion model with its default decoding (dual cache + threshold 0.9), then the exact sampler
+$KSTEP bench serve --model llada-coder --concurrency 16 --duration 60 --max-tokens 64 --threads 2 \
   --out "$OUT/bench" | tee "$OUT/bench/bench_serve.md"
-$KSTEP bench serve --model default --concurrency 16 --duration 60 --max-tokens 64 --threads 2 --setting exact=true \
+$KSTEP bench serve --model llada-coder --concurrency 16 --duration 60 --max-tokens 64 --threads 2 --setting exact=true \
   --out "$OUT/bench/exact" | tee "$OUT/bench/exact/bench_serve.md"
 $KSTEP bench serve --model default-ar --concurrency 16 --duration 60 --max-tokens 64 --threads 2 \
   --out "$OUT/bench/ar" | tee "$OUT/bench/ar/bench_serve.md"
 $KSTEP bench serve --model default-ar --shared-prefix-tokens 512 --concurrency 8 --duration 30 --max-tokens 16 \
   --threads 2 --out "$OUT/bench" | tee "$OUT/bench/bench_serve_prefix.md"
 # the engine's own batching ceiling, no HTTP (what bench serve's ratio can reach)
-.venv/bin/python scripts/engine_ceiling.py --model default | tee "$OUT/bench/engine_ceiling.md"
+.venv/bin/python scripts/engine_ceiling.py --model llada-coder | tee "$OUT/bench/engine_ceiling.md"
 .venv/bin/python scripts/engine_ceiling.py --model default-ar | tee -a "$OUT/bench/engine_ceiling.md"
-$KSTEP bench compare --out "$OUT/compare" | tee "$OUT/compare/compare.md"
-$KSTEP eval --out "$OUT/eval" | tee "$OUT/eval/eval.md"
+$KSTEP bench compare --diffusion-model llada-coder --out "$OUT/compare" | tee "$OUT/compare/compare.md"
+$KSTEP eval --model llada-coder --out "$OUT/eval" | tee "$OUT/eval/eval.md"
+# the block-diffusion coder (the bundled default): scripts/train_block_coder.sh's eval and benchmarks
 $KSTEP bench quant --out "$OUT/bench" | tee "$OUT/bench/bench_quant.md"
 $KSTEP bench ar --out "$OUT/bench" | tee "$OUT/bench/bench_ar.md"

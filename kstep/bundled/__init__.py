@@ -1,12 +1,15 @@
 """The models that ship inside the package, trained here with `kstep train` (see each model card).
 
-`default` is the diffusion coder (llada layout), `default-ar` its autoregressive twin (llama
-layout, same size, tokenizer, data and budget), `default-draft` a small AR draft model.
+`default` is the diffusion coder: a block-diffusion model (`fast_dllm_v2` layout, blocks of 8)
+converted from `default-ar`, its autoregressive twin (llama layout, same size and tokenizer), and
+distilled from it; `default-draft` is a small AR draft model; `llada-coder` is a full-attention
+masked-diffusion coder (llada layout) trained from scratch with the same data and budget as
+`default-ar` (the subject for LLaDA's exact sampler, its caches and whole-canvas decoding).
 """
 from pathlib import Path
 
 BUNDLED_DIR = Path(__file__).parent
-BUNDLED_MODELS = ("default", "default-ar", "default-draft")
+BUNDLED_MODELS = ("default", "default-ar", "default-draft", "llada-coder")
 
 
 def resolve_model(name_or_path: str | Path) -> Path:

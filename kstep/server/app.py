@@ -4,6 +4,7 @@ params are resolved for the served model before a request reaches the engine.
 
 A server may serve several models: each has its own engine (continuous batching, caches, decoding
 defaults) on its own torch thread; a request's `model` picks one."""
+import os
 import secrets
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -90,7 +91,8 @@ def build_app(models: list[ServedModel], config: ServeConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         schedulers = {name: r.engine.engine.scheduler for name, r in routes.by_name.items()}
-        return {"status": "ok", "running": sum(s.num_running for s in schedulers.values()),
+        return {"status": "ok", "pid": os.getpid(), "replica": getattr(app.state, "replica", None),
+                "running": sum(s.num_running for s in schedulers.values()),
                 "waiting": sum(s.num_waiting for s in schedulers.values()),
                 "models": {name: {"running": s.num_running, "waiting": s.num_waiting} for name, s in schedulers.items()}}
 

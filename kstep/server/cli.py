@@ -1,7 +1,6 @@
 """`kstep serve`: load each model on its engine's torch thread and run the OpenAI-compatible app."""
 import argparse
 import os
-import sys
 from dataclasses import replace
 
 from kstep.flags import add_command, add_device_flags, add_knob_flags, knobs_given
@@ -30,6 +29,13 @@ def add_serve(sub) -> None:
                        help="seconds SIGTERM waits for in-flight requests before exiting")
     add_device_flags(serve, threads=True)
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--replicas", type=int, default=None,
+                       help="serve on Ray Serve with this many replicas (each its own engines; a local Ray "
+                            "instance unless --ray-address); needs pip install -e .[ray]")
+    serve.add_argument("--cpus-per-replica", type=float, default=1.0,
+                       help="Ray CPUs per replica (its engines' torch threads default to this)")
+    serve.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster (e.g. auto, or HOST:6379 from `ray start --head`)")
     serve.add_argument("--quantize", default=None, choices=["int8", "int4"],
                        help="weight-only quantization of the linear layers at load time (every model)")
     serve.add_argument("--draft", default=None,
@@ -41,13 +47,11 @@ def add_serve(sub) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import torch
     import uvicorn
 
-    from kstep.engine.async_engine import torch_thread
-    from kstep.llm import load
-    from kstep.params import GenerationParams, knob_applies
-    from kstep.server.app import ServeConfig, ServedModel, build_app
+    from kstep.params import GenerationParams
+    from kstep.server.app import ServeConfig, build_app
+    from kstep.server.loading import LoadOptions, load_served_models
     from kstep.server.model_specs import parse_model_spec
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix-cache-mib {args.prefix_cache_mib} must be >= 0")
@@ -66,25 +70,18 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--model: two models are served as {next(n for n in names if names.count(n) > 1)!r}; "
                          "name them apart with NAME=MODEL")
 
-    def load_model(spec):
-        if args.threads is not None:  # OpenMP's thread count is per thread: set it where torch runs
-            torch.set_num_threads(args.threads)
-        return load(spec.model, device=args.device, dtype=args.dtype, draft=spec.draft or args.draft,
-                    quantize=spec.quantize or args.quantize)
-    served = []
-    for spec in specs:
-        executor = torch_thread()  # each model's engine steps on its own thread
-        llm = executor.submit(load_model, spec).result()
-        defaults = {k: v for k, v in shared.items() if knob_applies(k, llm.cfg.family, llm.kind)}
-        for k in spec.defaults:
-            if not knob_applies(k, llm.cfg.family, llm.kind):
-                raise ValueError(f"--model {spec.name}: {k} does not apply to a {llm.cfg.family} model")
-        served.append(ServedModel(spec.name, llm, {**defaults, **spec.defaults}, executor))
-        print(f"kstep serve: {spec.name} ({llm.kind}, {llm.path}) on http://{args.host}:{args.port}/v1",
-              file=sys.stderr, flush=True)
+    options = LoadOptions(args.device, args.dtype, args.threads, args.draft, args.quantize, shared)
     config = ServeConfig(api_key=args.api_key, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          prefix_cache_bytes=args.prefix_cache_mib << 20)
+    if args.replicas is not None:
+        if args.replicas <= 0 or args.cpus_per_replica <= 0:
+            raise ValueError(f"--replicas {args.replicas} and --cpus-per-replica {args.cpus_per_replica} "
+                             "must be positive")
+        from kstep.server.replicas import ReplicaOptions, serve_replicas
+        return serve_replicas(specs, options, config, ReplicaOptions(
+            args.replicas, args.cpus_per_replica, args.ray_address, args.host, args.port, args.graceful_timeout))
+    served = load_served_models(specs, options, announce=f"on http://{args.host}:{args.port}/v1")
     uvicorn.run(build_app(served, config), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.graceful_timeout)
     return 0
