@@ -22,6 +22,10 @@ def test_default_pair_loads_and_generates():
     [d] = diffusion.generate("def add(a, b):", max_tokens=32, min_tokens=32)
     [a] = ar.generate("def add(a, b):", max_tokens=32)
     assert len(d.token_ids) == 32 and d.text is not None and a.text is not None and 1 <= a.nfe <= 32
+    # its default decoding (generation_config.json) unmasks several tokens in some passes
+    defaults = diffusion.resolve(kstep.GenerationParams(max_tokens=32))
+    assert defaults.policy.value == 0.8 and defaults.sub_block_length == 2
+    assert d.nfe < 32
 
 
 def test_llada_coder_is_the_full_attention_twin():

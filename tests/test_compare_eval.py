@@ -87,6 +87,11 @@ def test_block_settings_sweep_thresholds_and_block_lengths():
                                           "block exact block=16", "block threshold=0.9 block=16"]
     assert settings[1].settings == {"threshold": 0.9, "block_length": 4}
     assert [s.settings for s in block_settings([0.9])] == [{"exact": True}, {"threshold": 0.9}, {}]
+    by_sub = block_settings([0.7, 0.9], include_ar=False, sub_block_lengths=[2, 8])
+    assert [s.name for s in by_sub] == ["block exact", "block threshold=0.7 sub=2", "block threshold=0.9 sub=2",
+                                        "block threshold=0.7 sub=8", "block threshold=0.9 sub=8"]
+    assert by_sub[4].settings == {"threshold": 0.9, "sub_block_length": 8}
+    assert len({s.family for s in by_sub[1:]}) == 2  # one curve per sub-block length
 
 
 def test_compare_and_eval_run_end_to_end(llada_path, llama_path, tmp_path):

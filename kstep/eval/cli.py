@@ -21,6 +21,9 @@ def add_eval(sub) -> None:
     ev.add_argument("--block-length", default=None,
                     help="LLaDA/Dream: the semi-autoregressive block (default 32); block diffusion: block "
                          "lengths to decode with, comma-separated (default: the model's own)")
+    ev.add_argument("--sub-block-length", default=None,
+                    help="block diffusion: sub-block lengths to decode with, comma-separated, one curve each "
+                         "(default: the model's own)")
     ev.add_argument("--no-ar", dest="ar", action="store_false", help="skip the AR model's row")
     ev.add_argument("--thresholds", default="0.5,0.7,0.9")
     ev.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
@@ -41,6 +44,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if n <= 0 or args.batch_size <= 0:
         raise ValueError("--max-tokens and --batch-size must be positive")
     blocks = positive_ints("--block-length", args.block_length) if args.block_length else None
+    subs = positive_ints("--sub-block-length", args.sub_block_length) if args.sub_block_length else None
     if not 0 <= args.min_tokens <= n:
         raise ValueError(f"--min-tokens {args.min_tokens} must be in [0, max tokens = {n}]")
     try:
@@ -52,8 +56,10 @@ def run_eval_command(args: argparse.Namespace) -> int:
     rows = prompt_rows(args.prompts, args.num_prompts or (16 if args.quick else None))
     is_block = FAMILIES[read_model_config(resolve_model(args.model)).family].kind == BLOCK_DIFFUSION
     if is_block:
-        settings = block_settings(thresholds, blocks, args.ar)
+        settings = block_settings(thresholds, blocks, args.ar, subs)
     else:
+        if subs is not None:
+            raise ValueError("--sub-block-length applies to block-diffusion models only")
         if blocks is not None and len(blocks) > 1:
             raise ValueError(f"--block-length {args.block_length!r}: one block length for a LLaDA/Dream model")
         settings = default_settings(n, blocks[0] if blocks else 32, thresholds)

@@ -45,16 +45,18 @@ def default_settings(n: int, block_length: int, thresholds=(0.5, 0.7, 0.9)) -> l
 
 
 def block_settings(thresholds=(0.5, 0.7, 0.9), block_lengths: list[int] | None = None,
-                   include_ar: bool = True) -> list[Setting]:
+                   include_ar: bool = True, sub_block_lengths: list[int] | None = None) -> list[Setting]:
     """For a block-diffusion model: one token per pass (the exact schedule), each threshold, at the
     model's own block size (or each of `block_lengths`, decoding with blocks other than those it was
-    trained on), and AR."""
+    trained on) and its default sub-block (or each of `sub_block_lengths`: one curve each), and AR."""
     out = []
     for block in block_lengths or [None]:
         knobs, tag = ({}, "") if block is None else ({"block_length": block}, f" block={block}")
         out.append(Setting(f"block exact{tag}", "block diffusion K", True, {"exact": True, **knobs}))
-        out += [Setting(f"block threshold={tau}{tag}", "block diffusion threshold", True, {"threshold": tau, **knobs})
-                for tau in thresholds]
+        for sub in sub_block_lengths or [None]:
+            sub_knobs, sub_tag = ({}, "") if sub is None else ({"sub_block_length": sub}, f" sub={sub}")
+            out += [Setting(f"block threshold={tau}{tag}{sub_tag}", f"block diffusion threshold{sub_tag}", True,
+                            {"threshold": tau, **knobs, **sub_knobs}) for tau in thresholds]
     return out + ([Setting("ar", "ar", False, {})] if include_ar else [])
 
 
