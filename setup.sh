@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up kstep in ./.venv.   ./setup.sh          runtime only
-#                            ./setup.sh --test   plus what the test suite needs (pytest, transformers)
+#                            ./setup.sh --test   plus what the test suite needs (pytest, transformers, Ray Serve)
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
@@ -18,7 +18,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 if [ "${1:-}" = "--test" ]; then
-  "${PIP[@]}" -e ".[test]"
+  "${PIP[@]}" -e ".[test,ray]"
 else
   "${PIP[@]}" -e .
 fi

@@ -42,3 +42,6 @@ def test_bench_decode_runs_block_modes_on_a_block_model(tmp_path, v2_path):
     assert by_mode["threshold"]["nfe"] <= by_mode["threshold+commit-pass"]["nfe"] <= by_mode["exact"]["nfe"]
     assert by_mode["threshold+commit-pass"]["nfe"] <= 24 + blocks
     assert by_mode["exact"]["speedup_vs_exact"] == 1.0
+    # the threshold modes decode with the checkpoint's defaults (no generation_config here: 0.9)
+    assert by_mode["threshold"]["threshold"] == by_mode["threshold+commit-pass"]["threshold"] == 0.9
+    assert by_mode["exact"]["threshold"] is None

@@ -10,6 +10,7 @@ from kstep.bench.compare import interpolate_crossover, run_compare
 from kstep.bench.cost_model import (
     Device,
     ar_cost,
+    block_diffusion_cost,
     body_params,
     diffusion_cost,
     pass_cost,
@@ -45,6 +46,11 @@ def test_cost_model_arithmetic_on_a_known_config():
     assert diffusion_cost(CFG, 4, 64, 10, 32, "none").flops == 10 * full.flops
     dual = diffusion_cost(CFG, 4, 64, 10, 32, "dual")
     assert dual.flops == 2 * full.flops + 8 * pass_cost(CFG, 32, 68, 32).flops
+    # block diffusion, N = 64 in blocks of 8, K = 10: a prefill, then block passes against the exact
+    # cache (on average the prompt, half the completion and the block itself), never a full pass
+    block = block_diffusion_cost(CFG, 4, 64, 10, 8)
+    assert block.flops == pass_cost(CFG, 4, 4, 1).flops + 10 * pass_cost(CFG, 8, 4 + 36, 8).flops
+    assert block.flops < 10 * pass_cost(CFG, 8, 68, 8).flops
 
 
 def test_crossover_interpolation():

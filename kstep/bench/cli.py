@@ -184,6 +184,8 @@ def _add_serve(kinds) -> None:
     bserve.add_argument("--threads", type=int, default=None, help="the server's torch threads")
     bserve.add_argument("--shared-prefix-tokens", type=int, default=0,
                         help="put the same N-token text before every prompt and compare prefix cache on / off")
+    bserve.add_argument("--replicas", type=int, default=None,
+                        help="compare 1 Ray Serve replica with this many (each --threads CPUs, default 1)")
     bserve.add_argument("--out", default="out/bench")
     bserve.set_defaults(run=run_serve_bench)
 
@@ -203,8 +205,11 @@ def run_serve_bench(args: argparse.Namespace) -> int:
             settings[key] = value
     if args.shared_prefix_tokens < 0:
         raise ValueError(f"--shared-prefix-tokens must be >= 0, got {args.shared_prefix_tokens}")
+    if args.replicas is not None and (args.replicas < 2 or args.shared_prefix_tokens or args.url):
+        raise ValueError(f"--replicas {args.replicas}: give 2 or more, without --shared-prefix-tokens or --url")
     prompts = held_out_code_prompts(args.num_prompts)
     result = run_bench(args.model, args.concurrency, args.duration, args.max_tokens, prompts, settings, args.threads,
-                       args.url, Path(args.out), progress=_progress, shared_prefix_tokens=args.shared_prefix_tokens)
+                       args.url, Path(args.out), progress=_progress, shared_prefix_tokens=args.shared_prefix_tokens,
+                       replicas=args.replicas)
     print(format_table(result))
     return 0

@@ -30,6 +30,7 @@ from kstep.bench.cost_model import (
     Device,
     PassCost,
     ar_cost,
+    block_diffusion_cost,
     calibrate,
     diffusion_cost,
 )
@@ -56,9 +57,10 @@ SIDES = {
     "diffusion exact": Side("diffusion exact", DIFFUSION, {"exact": True}),
     "diffusion dual+threshold": Side("diffusion dual+threshold", DIFFUSION, {"cache": "dual", "threshold": 0.9}),
     "diffusion dual K=N/4": Side("diffusion dual K=N/4", DIFFUSION, {"cache": "dual", "steps_per_token": 0.25}),
-    # a block-diffusion model: its own block size, the exact cache of finished blocks
+    # a block-diffusion model: its own block size, the exact cache of finished blocks; threshold is
+    # the checkpoint's default decoding (its generation_config.json threshold and sub-block, else 0.9)
     "block exact": Side("block exact", BLOCK_DIFFUSION, {"exact": True}),
-    "block threshold": Side("block threshold", BLOCK_DIFFUSION, {"threshold": 0.9}),
+    "block threshold": Side("block threshold", BLOCK_DIFFUSION, {}),
     "ar": Side("ar", AUTOREGRESSIVE, {}),
 }
 
@@ -129,9 +131,9 @@ def floor_cost(llm: LLM, side: Side, prompt_len: int, n: int, passes: float, blo
     if not side.is_diffusion:
         return ar_cost(llm.cfg, prompt_len, n, dtype_bytes)
     params = llm.resolve(params_for(side, n, block_length))
-    # A block-diffusion pass is one block against the cache of the finished ones: the dual cache's cost.
-    cache = "dual" if side.kind == BLOCK_DIFFUSION else params.cache
-    return diffusion_cost(llm.cfg, prompt_len, n, passes, min(params.block_length, n), cache, dtype_bytes)
+    if side.kind == BLOCK_DIFFUSION:
+        return block_diffusion_cost(llm.cfg, prompt_len, n, passes, min(params.block_length, n), dtype_bytes)
+    return diffusion_cost(llm.cfg, prompt_len, n, passes, min(params.block_length, n), params.cache, dtype_bytes)
 
 
 def interpolate_crossover(ns: list[float], ratio: list[float]) -> float | None:

@@ -8,7 +8,8 @@ A pass of b rows, T new tokens each, attending to S positions, with the LM head 
   floor = max(bytes / bandwidth, FLOPs / matmul peak)
 An AR generation of N tokens is a prefill (T = P) and N - 1 passes of T = 1; a diffusion
 generation is K passes: the exact sampler's are full passes over prompt + N; with the dual cache,
-one full pass per block and window passes of T = block_length against the cache.
+one full pass per block and window passes of T = block_length against the cache. A block-diffusion
+generation is a prompt prefill and K passes of one block against the exact cache of what precedes it.
 """
 import time
 from dataclasses import dataclass
@@ -99,6 +100,17 @@ def diffusion_cost(cfg: ModelConfig, prompt_len: int, n: int, passes: float, blo
         window = pass_cost(cfg, n // 2 + block_length // 2, length, block_length, dtype_bytes=dtype_bytes)
     return total + PassCost(*(num_window * x for x in (window.flops, window.bytes, window.attention_flops,
                                                        window.head_flops)))
+
+
+def block_diffusion_cost(cfg: ModelConfig, prompt_len: int, n: int, passes: float, block_length: int,
+                         dtype_bytes: int = 4) -> PassCost:
+    """A prompt prefill, then `passes` passes of one block (T = block_length) attending to the prompt,
+    the finished blocks and itself: P + start + block positions, P + (N + block) / 2 on average. A
+    fused commit's pass also runs the finished block; counted as one block here, so this stays a floor."""
+    prefill = pass_cost(cfg, prompt_len, prompt_len, 1, dtype_bytes=dtype_bytes)
+    window = pass_cost(cfg, block_length, prompt_len + (n + block_length) / 2, block_length, dtype_bytes=dtype_bytes)
+    return prefill + PassCost(*(passes * x for x in (window.flops, window.bytes, window.attention_flops,
+                                                     window.head_flops)))
 
 
 def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> Device:

@@ -10,8 +10,9 @@ sampler (per full pass) x steps, from a probe with one step per block. Such cell
 rate. With `--no-extrapolate` every cell runs in full.
 
 A block-diffusion model (Fast-dLLM v2, SDAR layouts) has its own modes, on its own block size: `exact`
-(one token per pass and the references' commit pass per block), `threshold` (kstep's default: 0.9,
-fused commits) and `threshold+commit-pass` (0.9 with the references' separate commit). Every cell
+(one token per pass and the references' commit pass per block), `threshold` (the checkpoint's default
+decoding: its generation_config.json threshold and sub-block, else 0.9; fused commits) and
+`threshold+commit-pass` (the same with the references' separate commit). Every cell
 produces N tokens (`min_tokens` = N), so the modes' speeds compare the same work. Its passes are one
 block each against an exact cache, cheap enough to run every cell in full.
 """
@@ -40,8 +41,7 @@ class Mode:
 MODES = {"exact": Mode("exact", "none"), "prefix": Mode("prefix", "prefix"), "dual": Mode("dual", "dual"),
          "dual+threshold": Mode("dual+threshold", "dual", 0.9, early_stop=True)}
 # Block diffusion: the settings each mode passes on top of max_tokens = min_tokens = N.
-BLOCK_MODES = {"exact": {"exact": True}, "threshold": {"threshold": 0.9},
-               "threshold+commit-pass": {"threshold": 0.9, "fused_commit": False}}
+BLOCK_MODES = {"exact": {"exact": True}, "threshold": {}, "threshold+commit-pass": {"fused_commit": False}}
 
 LARGE_CONFIG = dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, head_dim=64, ffn_dim=2048, vocab_size=16384)
 
@@ -100,7 +100,7 @@ def measure_block(model: Path, label: str, n: int, mode: str, prompt_ids: list[i
     settings = dict(max_tokens=n, min_tokens=n, **BLOCK_MODES[mode])
     result = run_worker(dict(model=str(model), device=device, dtype=dtype, prompt_ids=prompt_ids, settings=settings,
                              threads=threads, warmup=dict(settings, max_tokens=8, min_tokens=0)))
-    return dict(model=label, n=n, block_length=None, mode=mode, cache="block", threshold=settings.get("threshold"),
+    return dict(model=label, n=n, block_length=None, mode=mode, cache="block", threshold=result["threshold"],
                 early_stop=True, extrapolated=False, seconds=result["seconds"], nfe=result["nfe"],
                 peak_bytes=result["peak_bytes"], model_bytes=result["model_bytes"], tokens_per_s=n / result["seconds"],
                 completion_tokens=result["completion_tokens"])

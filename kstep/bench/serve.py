@@ -110,15 +110,20 @@ def shared_prefix_text(model: str, num_tokens: int, source: list[str]) -> str:
 
 def run_bench(model: str, concurrency: int, duration: float, max_tokens: int, prompts: list[str],
               settings: dict, threads: int | None, url: str | None, out: Path, progress=print,
-              shared_prefix_tokens: int = 0) -> dict:
+              shared_prefix_tokens: int = 0, replicas: int | None = None) -> dict:
     """Batched vs `--max-batch-size 1`; with shared_prefix_tokens, every prompt starts with the same
-    text and the runs are prefix cache on vs off (both batched)."""
+    text and the runs are prefix cache on vs off (both batched); with replicas, one Ray Serve replica
+    vs that many (both batched, each replica `threads` CPUs)."""
     settings = {"max_tokens": max_tokens, **settings}
     runs = {}
     if shared_prefix_tokens:
         prefix = shared_prefix_text(model, shared_prefix_tokens, prompts)
         prompts = [prefix + p for p in prompts]
         configs = [("prefix cache", concurrency, []), ("no prefix cache", concurrency, ["--prefix-cache-mib", "0"])]
+    elif replicas:
+        per_replica = ["--cpus-per-replica", str(threads or 1)]
+        configs = [("1 replica", concurrency, ["--replicas", "1", *per_replica]),
+                   (f"{replicas} replicas", concurrency, ["--replicas", str(replicas), *per_replica])]
     else:
         configs = [("batched", concurrency, []), ("unbatched", 1, [])]
     if url:
@@ -133,14 +138,18 @@ def run_bench(model: str, concurrency: int, duration: float, max_tokens: int, pr
         runs[name] = {"max_batch_size": batch, **summarize(samples, seconds)}
         progress(format_row(name, runs[name]))
     result = {"model": model, "concurrency": concurrency, "duration_s": duration, "settings": settings,
-              "threads": threads, "shared_prefix_tokens": shared_prefix_tokens, "runs": runs}
+              "threads": threads, "shared_prefix_tokens": shared_prefix_tokens, "replicas": replicas, "runs": runs}
     if "batched" in runs and runs["unbatched"]["output_tokens_per_s"] > 0:
         result["throughput_ratio"] = runs["batched"]["output_tokens_per_s"] / runs["unbatched"]["output_tokens_per_s"]
+    if replicas and runs["1 replica"]["output_tokens_per_s"] > 0:
+        result["replica_ratio"] = runs[f"{replicas} replicas"]["output_tokens_per_s"] / runs["1 replica"][
+            "output_tokens_per_s"]
     if "prefix cache" in runs and runs["prefix cache"]["ttft_p50_s"]:
         result["ttft_ratio_without_over_with_cache"] = runs["no prefix cache"]["ttft_p50_s"] / runs["prefix cache"][
             "ttft_p50_s"]
     out.mkdir(parents=True, exist_ok=True)
-    name = "bench_serve_prefix.json" if shared_prefix_tokens else "bench_serve.json"
+    name = "bench_serve_prefix.json" if shared_prefix_tokens else \
+        "bench_serve_replicas.json" if replicas else "bench_serve.json"
     (out / name).write_text(json.dumps(result, indent=2))
     return result
 
@@ -162,6 +171,8 @@ def format_table(result: dict) -> str:
     lines += [format_row(name, r) for name, r in result["runs"].items()]
     if "throughput_ratio" in result:
         lines.append(f"\nbatched / unbatched output tokens/s: {result['throughput_ratio']:.2f}x")
+    if "replica_ratio" in result:
+        lines.append(f"\n{result['replicas']} replicas / 1 replica output tokens/s: {result['replica_ratio']:.2f}x")
     if "ttft_ratio_without_over_with_cache" in result:
         lines.append(f"\ntime to first token p50, without / with the prefix cache "
                      f"({result['shared_prefix_tokens']}-token shared prefix): "

@@ -29,6 +29,13 @@ def add_serve(sub) -> None:
                        help="seconds SIGTERM waits for in-flight requests before exiting")
     add_device_flags(serve, threads=True)
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--replicas", type=int, default=None,
+                       help="serve on Ray Serve with this many replicas (each its own engines; a local Ray "
+                            "instance unless --ray-address); needs pip install -e .[ray]")
+    serve.add_argument("--cpus-per-replica", type=float, default=1.0,
+                       help="Ray CPUs per replica (its engines' torch threads default to this)")
+    serve.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster (e.g. auto, or HOST:6379 from `ray start --head`)")
     serve.add_argument("--quantize", default=None, choices=["int8", "int4"],
                        help="weight-only quantization of the linear layers at load time (every model)")
     serve.add_argument("--draft", default=None,
@@ -67,6 +74,13 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(api_key=args.api_key, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          prefix_cache_bytes=args.prefix_cache_mib << 20)
+    if args.replicas is not None:
+        if args.replicas <= 0 or args.cpus_per_replica <= 0:
+            raise ValueError(f"--replicas {args.replicas} and --cpus-per-replica {args.cpus_per_replica} "
+                             "must be positive")
+        from kstep.server.replicas import ReplicaOptions, serve_replicas
+        return serve_replicas(specs, options, config, ReplicaOptions(
+            args.replicas, args.cpus_per_replica, args.ray_address, args.host, args.port, args.graceful_timeout))
     served = load_served_models(specs, options, announce=f"on http://{args.host}:{args.port}/v1")
     uvicorn.run(build_app(served, config), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.graceful_timeout)
