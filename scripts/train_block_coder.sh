@@ -44,5 +44,6 @@ mkdir -p kstep/bundled/default
 cp "$RUNS/block-stage2"/{config.json,model.safetensors,tokenizer.json,tokenizer_config.json,train_log.jsonl,train_config.json,data_split.json} \
   kstep/bundled/default/
 printf '{\n  "threshold": 0.8,\n  "small_block_size": 2\n}\n' > kstep/bundled/default/generation_config.json
-$KSTEP train-report --model block-coder=kstep/bundled/default --model ar=kstep/bundled/default-ar \
-  --out docs/block-coder --write-cards
+$KSTEP train-report --model block-coder=kstep/bundled/default --out docs/eval/block-coder/report --write-cards
+cp "$RUNS/block-stage1/train_log.jsonl" docs/eval/block-coder/stage1_train_log.jsonl
+cp "$RUNS/block-stage2/train_log.jsonl" docs/eval/block-coder/stage2_train_log.jsonl

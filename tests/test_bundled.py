@@ -51,3 +51,13 @@ def test_bundled_weights_stay_small():
 def test_unknown_bundled_name_is_a_path_error():
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         kstep.load("no-such-model")
+
+
+def test_block_coder_card_names_its_origin_data_and_decoding():
+    from kstep.train.report import model_card
+    card = model_card(resolve_model("default"), "block coder", {"masked-token CE": 4.9}, "scripts/x.sh")
+    assert "from `bd8-stage1`'s weights" in card and "Trained from scratch" not in card
+    assert "75% of the rows are the AR twin's greedy completions" in card
+    assert "certainty forcing" in card and "threshold 0.8, small_block_size 2" in card
+    ar_card = model_card(resolve_model("default-ar"), "ar", {"NLL": 3.4}, "x")
+    assert "Trained from scratch" in ar_card and "distill" not in ar_card and "decoding defaults" not in ar_card

@@ -63,6 +63,8 @@ def add_train_report(sub) -> None:
 
 
 def run_train_report(args: argparse.Namespace) -> int:
+    from kstep.registry import FAMILIES
+    from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION
     from kstep.train.report import write_model_card, write_report
     from kstep.weights import read_model_config
     runs = {}
@@ -75,7 +77,9 @@ def run_train_report(args: argparse.Namespace) -> int:
     metrics = result["held_out_nll_per_token"]
     if args.write_cards:
         for label, path in runs.items():
-            name = "NLL" if read_model_config(path).is_causal else "NLL bound (ELBO)"
+            kind = FAMILIES[read_model_config(path).family].kind
+            name = {AUTOREGRESSIVE: "NLL", BLOCK_DIFFUSION: "masked-token CE of its objective (not a likelihood)"}.get(
+                kind, "NLL bound (ELBO)")
             write_model_card(path, f"kstep bundled model: {label} ({path.name})",
                              {name: v for lab, v in metrics.items() if lab == label})
     print(json.dumps(metrics))

@@ -57,7 +57,7 @@ def plot_curves(runs: dict[str, Path], png: Path) -> None:
     ax.set_ylim(top=min(8.5, ax.get_ylim()[1]))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("Bundled models: diffusion (MDM objective) vs AR, same size, data and budget")
+    ax.set_title("Training curves: " + " vs ".join(runs))
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
@@ -118,8 +118,10 @@ def reproduce_command(cfg: dict) -> str:
 
 def write_model_card(model_dir: Path, title: str, metrics: dict) -> None:
     cfg = read_json(model_dir / "train_config.json")
-    reproduce = (f"{reproduce_command(cfg)}\n# or all three bundled models and this report:\n"
-                 "scripts/train_default_models.sh")
+    script = ("scripts/train_block_coder.sh  # every stage, the distilled data and this report"
+              if cfg["objective"] == "block-diffusion" else
+              "scripts/train_default_models.sh  # the pair, the draft and this report")
+    reproduce = f"{reproduce_command(cfg)}\n# or\n{script}"
     (model_dir / "README.md").write_text(model_card(model_dir, title, metrics, reproduce))
 
 
@@ -131,15 +133,27 @@ def model_card(model_dir: Path, title: str, metrics: dict, reproduce: str) -> st
     corpus = (f"the Python {'.'.join(map(str, sys.version_info[:2]))} standard library, no tests / vendored code / "
               "generated tables" if cfg["corpus"] == "stdlib" else f"the .py/.txt files under `{cfg['corpus']}`")
     size_mib = (model_dir / "model.safetensors").stat().st_size / 2**20
+    origin = (f"Trained on this project's machines with `kstep train`, from `{Path(cfg['init_from']).name}`'s "
+              "weights (see Reproduce)" if cfg.get("init_from") else
+              "Trained from scratch on this project's machines with `kstep train`")
+    objective = OBJECTIVE_TEXT[cfg["objective"]]
+    if cfg.get("certainty_weight"):
+        objective += f", plus {cfg['certainty_weight']} x dParallel's certainty forcing"
+    if cfg.get("distill_data"):
+        corpus += (f"; {1 - cfg['real_data_fraction']:.0%} of the rows are the AR twin's greedy completions of "
+                   "training-split function prompts, kept when they parse (`kstep distill`)")
+    gen_path = model_dir / "generation_config.json"
+    decoding = (f"| decoding defaults | `generation_config.json`: "
+                f"{', '.join(f'{k} {v}' for k, v in read_json(gen_path).items())} |\n" if gen_path.is_file() else "")
     return f"""# {title}
 
-Trained from scratch on this project's machines with `kstep train`. Small and weak by design: it
-exists so that kstep works offline out of the box and so that the diffusion and AR paths can be
-compared on equal terms (same size, tokenizer, data and budget). Do not expect useful code.
+{origin}. Small and weak by design: it exists so that kstep works offline out of the box and so
+that the diffusion and AR paths can be compared on equal terms (same size, tokenizer and data).
+Do not expect useful code.
 
 | | |
 |---|---|
-| objective | {cfg['objective']} ({OBJECTIVE_TEXT[cfg['objective']]}) |
+| objective | {cfg['objective']} ({objective}) |
 | layout | `{llm.cfg.family}` ({llm.cfg.attention}), {llm.cfg.num_params / 1e6:.2f} M parameters, d_model {cfg['d_model']}, {cfg['n_layers']} layers, {cfg['n_heads']} heads, SwiGLU {cfg['ffn_dim']}, untied head |
 | weights | bfloat16 safetensors, {size_mib:.1f} MiB |
 | tokenizer | byte-level BPE, {llm.cfg.vocab_size} tokens, trained on the training split (special: `<\\|pad\\|>`, `<\\|endoftext\\|>`, `<\\|mask\\|>`) |
@@ -147,7 +161,7 @@ compared on equal terms (same size, tokenizer, data and budget). Do not expect u
 | budget | {log[-1]['tokens'] / 1e6:.2f} M tokens ({len(log)} steps of {cfg['batch_size']} x {cfg['seq_len']}), about {wall:.0f} min at {cfg['threads'] or 'all'} thread(s) on 2 CPU cores (AdamW, lr {cfg['lr']}, warmup {cfg['warmup_steps']}, cosine to {cfg['min_lr_ratio']}x) |
 | context | trained on {cfg['seq_len']}-token windows: longer canvases are out of distribution |
 | held-out | {', '.join(f'{k}: {v:.3f}' for k, v in metrics.items())} nats/token |
-
+{decoding}
 Reproduce:
 
 ```bash
