@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up kstep in ./.venv.   ./setup.sh          runtime only
-#                            ./setup.sh --test   plus what the test suite needs (pytest, transformers, Ray Serve)
+#                            ./setup.sh --test   plus what the test suite needs (pytest, transformers, Ray Serve,
+#                                                selenium; Chromium from apt where it can)
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
@@ -19,6 +20,13 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 if [ "${1:-}" = "--test" ]; then
   "${PIP[@]}" -e ".[test,ray]"
+  # The playground's browser tests drive a real headless Chromium: Debian's packages, where apt can
+  # install them (as root); elsewhere install chromium + chromedriver yourself, or those tests skip.
+  if ! command -v chromedriver >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1; } \
+      || echo "setup.sh: could not apt-get install chromium chromium-driver: the browser tests will skip" >&2
+  fi
 else
   "${PIP[@]}" -e .
 fi

@@ -101,6 +101,24 @@ def test_canvas_snapshots_show_refinement(llada_server):
     steps = [ch["choices"][0]["step"] for ch in chunks]
     assert masks[0] == 15 and masks[-1] == 0 and masks == sorted(masks, reverse=True)
     assert steps == list(range(1, len(steps) + 1))
+    # per position: its token's text or None (masked); together they spell the canvas
+    pieces = [ch["choices"][0]["canvas_pieces"] for ch in chunks]
+    assert all(len(p) == 16 and p.count(None) == m for p, m in zip(pieces, masks))
+    assert all("".join(x if x is not None else MASK_PLACEHOLDER for x in p) == ch["choices"][0]["canvas"]
+               for p, ch in zip(pieces, chunks))
+    tokens = [ch["choices"][0]["tokens"] for ch in chunks]  # committed so far
+    assert tokens == sorted(tokens) and tokens[-1] == chunks[-1]["usage"]["completion_tokens"]
+
+
+def test_canvas_stream_of_an_ar_model_counts_steps_and_tokens(llama_server):
+    with httpx.stream("POST", llama_server + "/v1/completions", json={
+            "model": "tiny-ar", "prompt": PROMPTS[1], "max_tokens": 8, "min_tokens": 8, "temperature": 0,
+            "stream": True, "stream_options": {"include_canvas": True}}) as r:
+        import json
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [ch["choices"][0] for ch in chunks]
+    assert all("canvas" not in c for c in choices)  # no canvas: a token stream
+    assert [c["step"] for c in choices] == [c["tokens"] for c in choices] == list(range(1, 9))
 
 
 def test_chat_sync_and_streaming(llada_server):

@@ -15,7 +15,7 @@ import torch
 
 from kstep.engine.request import ChoiceDelta, Request, RequestOutput
 from kstep.engine.scheduler import Scheduler
-from kstep.engine.text_stream import TextStream, render_canvas
+from kstep.engine.text_stream import TextStream, canvas_pieces, render_canvas
 from kstep.llm import LLM
 from kstep.outputs import StepOutput
 from kstep.params import DIFFUSION
@@ -102,11 +102,12 @@ class Engine:
             if stream.finish_reason is not None:
                 continue
             text, ids = stream.update(committed, request.is_finished)
-            canvas = None
+            canvas = pieces = None
             if out.canvas is not None:
                 canvas = render_canvas(self.llm.tokenizer, out.canvas[index], self.llm.cfg.mask_token_id)
+                pieces = canvas_pieces(self.llm.tokenizer, out.canvas[index], self.llm.cfg.mask_token_id)
             if text or ids or stream.finish_reason or canvas is not None:
-                choices.append(ChoiceDelta(index, text, ids, stream.finish_reason, canvas))
+                choices.append(ChoiceDelta(index, text, ids, stream.finish_reason, canvas, pieces))
         if request.is_finished:
             self.streams.pop(request.request_id, None)
         return RequestOutput(request.request_id, choices, request.nfe, request.is_finished,

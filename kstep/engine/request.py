@@ -59,6 +59,7 @@ class ChoiceDelta:
     token_ids: list[int]             # newly committed token ids
     finish_reason: str | None = None  # stop | length | None while running
     canvas: str | None = None        # the whole current canvas, masks as MASK_PLACEHOLDER (include_canvas)
+    canvas_pieces: list[str | None] | None = None  # per canvas position: its token's text, None if masked
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
 """FastAPI routes of `kstep serve`: /v1/models, /v1/completions, /v1/chat/completions (JSON or
-server-sent events), /health, /metrics. Validation happens here, at the edge (errors.py says no):
+server-sent events), /health, /metrics, and the playground page at /. Validation happens here, at the edge (errors.py says no):
 params are resolved for the served model before a request reaches the engine.
 
 A server may serve several models: each has its own engine (continuous batching, caches, decoding
@@ -10,9 +10,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kstep.engine.async_engine import AsyncEngine
@@ -24,6 +26,9 @@ from kstep.server.errors import APIError, BodySizeLimit, install_error_handlers,
 from kstep.server.metrics import Metrics, ModelMetrics
 from kstep.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kstep.server.streaming import Stream
+
+
+STATIC_DIR = Path(__file__).parent / "static"
 
 
 @dataclass(slots=True)
@@ -95,6 +100,12 @@ def build_app(models: list[ServedModel], config: ServeConfig) -> FastAPI:
                 "running": sum(s.num_running for s in schedulers.values()),
                 "waiting": sum(s.num_waiting for s in schedulers.values()),
                 "models": {name: {"running": s.num_running, "waiting": s.num_waiting} for name, s in schedulers.items()}}
+
+    @app.get("/", include_in_schema=False)
+    async def playground():  # the browser playground: static files, no build step, nothing fetched from elsewhere
+        return FileResponse(STATIC_DIR / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/metrics")
     async def prometheus_metrics():

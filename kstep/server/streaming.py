@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from kstep.engine.async_engine import AsyncEngine
 from kstep.engine.request import Request as EngineRequest
-from kstep.engine.request import RequestOutput
+from kstep.engine.request import ChoiceDelta, RequestOutput
 from kstep.server.errors import APIError
 from kstep.server.metrics import ModelMetrics
 
@@ -24,23 +24,25 @@ class Stream:
         self.prefixes = prefixes
         self.texts = [""] * engine_request.num_rows
         self.finish_reasons: list[str | None] = [None] * engine_request.num_rows
+        self.num_tokens = [0] * engine_request.num_rows  # committed completion tokens per choice
         self.first_token_time: float | None = None
 
     def _usage(self, out: RequestOutput) -> dict:
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens, "nfe": out.step}
 
-    def _absorb(self, out: RequestOutput) -> list[tuple[int, str, str | None, str | None]]:
-        """Record the output; returns (index, text delta, finish_reason, canvas) per changed choice."""
+    def _absorb(self, out: RequestOutput) -> list[tuple[int, str, str | None, ChoiceDelta]]:
+        """Record the output; returns (index, text delta, finish_reason, the delta) per changed choice."""
         changes = []
         for c in out.choices:
+            self.num_tokens[c.index] += len(c.token_ids)
             text = self.prefixes[c.index] + c.text  # `echo`: the prompt goes out with the first delta
             self.prefixes[c.index] = ""
             self.texts[c.index] += text
             self.finish_reasons[c.index] = c.finish_reason or self.finish_reasons[c.index]
             if text and self.first_token_time is None:
                 self.first_token_time = time.monotonic()
-            changes.append((c.index, text, c.finish_reason, c.canvas))
+            changes.append((c.index, text, c.finish_reason, c))
         return changes
 
     def _observe_finish(self, metrics: ModelMetrics, out: RequestOutput) -> None:
@@ -98,14 +100,16 @@ class Stream:
                     yield f"data: {json.dumps(error)}\n\n"
                     break
                 choices = []
-                for index, text, reason, canvas in self._absorb(out):
+                for index, text, reason, delta in self._absorb(out):
                     if self.chat:
                         choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
                                   "finish_reason": reason}
                     else:
                         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
-                    if canvas is not None:
-                        choice["canvas"], choice["step"] = canvas, out.step
+                    if self.request.include_canvas:  # kstep's refinement view (any family)
+                        choice["step"], choice["tokens"] = out.step, self.num_tokens[index]
+                        if delta.canvas is not None:
+                            choice["canvas"], choice["canvas_pieces"] = delta.canvas, delta.canvas_pieces
                     choices.append(choice)
                 if out.is_finished:
                     is_done = True
