@@ -12,7 +12,7 @@ def _ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r} is not a comma-separated list of integers")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers")
 
 
 def add_generate(sub) -> None:
@@ -25,6 +25,10 @@ def add_generate(sub) -> None:
     gen.add_argument("--prompt-ids", type=_ids, action="append", default=[], metavar="1,2,3",
                      help="a prompt as token ids (repeat for a batch)")
     gen.add_argument("--chat", action="store_true", help="wrap each text prompt in the checkpoint's chat template")
+    gen.add_argument("--suffix", default=None, metavar="TEXT",
+                     help="infilling (full-attention diffusion models): the text after the gap; the completion "
+                          "is the --max-tokens positions between prompt and suffix")
+    gen.add_argument("--suffix-ids", type=_ids, default=None, metavar="1,2,3", help="the suffix as token ids")
     add_knob_flags(gen)
     gen.add_argument("--draft", default=None,
                      help="speculative decoding for an AR model: a draft model (e.g. default-draft) or 'ngram' "
@@ -45,7 +49,10 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError("prompt is empty: give at least one token")
     llm = load(args.model, device=args.device, dtype=args.dtype, draft=args.draft, quantize=args.quantize)
     prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompts]
-    results = llm.generate(prompts + args.prompt_ids, params)
+    if args.suffix is not None and args.suffix_ids is not None:
+        raise ValueError("--suffix and --suffix-ids: give one")
+    suffix = args.suffix_ids if args.suffix_ids is not None else args.suffix
+    results = llm.generate(prompts + args.prompt_ids, params, suffix=suffix or None)
     for result in results:
         if args.json:
             print(json.dumps(result.to_dict()))

@@ -117,19 +117,32 @@ class LLM:
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of one prompt, checked against the vocabulary and the mask id."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"checkpoint {self.path} has no tokenizer.json: pass token ids, not text")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(i) for i in prompt]
+        ids = self._encode(prompt, "prompt", special_tokens=True)
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
+        return ids
+
+    def encode_suffix(self, suffix: Prompt) -> list[int]:
+        """Token ids of an infilling suffix (no special tokens: it continues the text), checked as a
+        prompt's are. Only a model that attends to text after the gap can use one."""
+        if self.family.attention != "bidirectional":
+            raise ValueError(f"suffix: infilling needs a model that attends to text after the gap (a full-attention "
+                             f"diffusion model: LLaDA, Dream); {self.path.name} is {self.cfg.family} "
+                             f"({self.family.attention.replace('_', '-')} attention), which cannot see it")
+        return self._encode(suffix, "suffix", special_tokens=False)
+
+    def _encode(self, text_or_ids: Prompt, what: str, special_tokens: bool) -> list[int]:
+        if isinstance(text_or_ids, str):
+            if self.tokenizer is None:
+                raise ValueError(f"checkpoint {self.path} has no tokenizer.json: pass token ids, not text")
+            ids = self.tokenizer.encode(text_or_ids, add_special_tokens=special_tokens)
+        else:
+            ids = [int(i) for i in text_or_ids]
         bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+            raise ValueError(f"{what} token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
         if self.cfg.mask_token_id is not None and self.cfg.mask_token_id in ids:
-            raise ValueError(f"prompt contains the mask token id {self.cfg.mask_token_id}, "
+            raise ValueError(f"{what} contains the mask token id {self.cfg.mask_token_id}, "
                              "which only the sampler may place")
         return ids
 
@@ -147,12 +160,14 @@ class LLM:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.encode_prompt(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def check_fits(self, rows: list[list[int]], params: GenerationParams) -> None:
+    def check_fits(self, rows: list[list[int]], params: GenerationParams, suffixes: list[list[int]] | None = None) -> None:
         """Prompts and completion must fit the model's context (a speculative step needs gamma + 1 more)."""
         if not rows:
             raise ValueError("no prompts given")
         longest = max(len(ids) for ids in rows)
         extra, why = 0, ""
+        if suffixes and any(suffixes):
+            extra, why = max(len(s) for s in suffixes), " + suffix"
         if self.family.kind == AUTOREGRESSIVE and params.num_draft_tokens:
             extra, why = params.num_draft_tokens + 1, " + num_draft_tokens + 1"
         elif self.family.kind == BLOCK_DIFFUSION:  # the last block may end up to a block past max_tokens
@@ -171,18 +186,26 @@ class LLM:
 
     @torch.inference_mode()  # the decoder's tensor work too, not only the forward passes
     def generate(self, prompts: Prompt | list[Prompt], params: GenerationParams | None = None,
-                 **overrides) -> list[GenerationResult]:
-        """Generate for one prompt or a batch (text or token ids); one result per prompt, in order."""
+                 suffix: Prompt | list[Prompt] | None = None, **overrides) -> list[GenerationResult]:
+        """Generate for one prompt or a batch (text or token ids); one result per prompt, in order.
+        `suffix` (infilling, full-attention diffusion models): the text after the gap, one for every
+        prompt or a list with one per prompt; the completion is what goes between prompt and suffix."""
         params = params or GenerationParams()
         if overrides:
             params = replace(params, **overrides)
         params = self.resolve(params)
-        is_single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
-        items = [prompts] if is_single else prompts
+        items = [prompts] if is_one_prompt(prompts) else prompts
         healed = [self.heal(self.encode_prompt(p), params, isinstance(p, str)) for p in items]
         batch = [ids for ids, _, _ in healed]
+        suffixes = None
+        if suffix is not None:
+            per_prompt = suffix if not is_one_prompt(suffix) else [suffix] * len(items)
+            if len(per_prompt) != len(items):
+                raise ValueError(f"suffix: give one, or one per prompt ({len(items)}), not {len(per_prompt)}")
+            suffixes = [self.encode_suffix(s) for s in per_prompt]
         start = time.perf_counter()
-        decoder = make_decoder(self, batch, params, first_tokens=[allowed for _, _, allowed in healed])
+        decoder = make_decoder(self, batch, params, first_tokens=[allowed for _, _, allowed in healed],
+                               suffixes=suffixes)
         timings: dict[str, float] = {}
         if self.family.kind == DIFFUSION:  # both kinds of pass reported, even when one did not run
             timings = {"full_pass_seconds": 0.0, "window_pass_seconds": 0.0, "num_full_passes": 0,
@@ -198,6 +221,11 @@ class LLM:
                 text = text[len(given_back):]  # it was the prompt's: the completion is what follows
             results.append(GenerationResult(tokens, reason, nfe, seconds, len(prompt), text, dict(timings)))
         return results
+
+
+def is_one_prompt(prompt) -> bool:
+    """A text or a list of token ids (one prompt), not a list of prompts."""
+    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int))
 
 
 def load(path: str | Path = "default", device: str | torch.device = "cpu",

@@ -115,13 +115,16 @@ def family_for(raw: dict) -> Family:
 
 def make_decoder(llm: "LLM", rows: list[list[int]], params: GenerationParams,
                  prefix_cache: PrefixCache | None = None, include_canvas: bool = False,
-                 first_tokens: list[list[int]] | None = None) -> Decoder:
+                 first_tokens: list[list[int]] | None = None, suffixes: list[list[int]] | None = None) -> Decoder:
     """The decoder of `llm`'s family for encoded prompts `rows` (left-padded into one batch) under
     resolved `params`; stepped alone by `LLM.generate`, or with other requests by the engine.
-    `first_tokens`: per row, the ids its first token may take (token healing; [] = any)."""
+    `first_tokens`: per row, the ids its first token may take (token healing; [] = any). `suffixes`:
+    per row, the encoded text after the gap (infilling; full-attention families only)."""
     if not params.is_resolved:
         raise RuntimeError("internal: params reach a decoder resolved (GenerationParams.resolve, at the edge)")
-    llm.check_fits(rows, params)
+    if suffixes and any(suffixes) and llm.family.attention != "bidirectional":
+        raise ValueError(f"suffix: infilling needs a full-attention diffusion model, not {llm.cfg.family}")
+    llm.check_fits(rows, params, suffixes)
     first_allowed = None
     if first_tokens and any(first_tokens):
         first_allowed = torch.ones(len(rows), llm.cfg.vocab_size, dtype=torch.bool)
@@ -130,7 +133,7 @@ def make_decoder(llm: "LLM", rows: list[list[int]], params: GenerationParams,
                 first_allowed[row] = False
                 first_allowed[row, allowed] = True
     batch = DecodeBatch.from_prompts(rows, llm.pad_id, llm.stop_ids, llm.cfg.mask_token_id, llm.device, params.seed,
-                                     include_canvas, first_allowed)
+                                     include_canvas, first_allowed, suffixes)
     resources = DecoderResources(prefix_cache, llm.drafter)
     return llm.family.decoder(llm.runner, batch, params, resources)
 

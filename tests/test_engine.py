@@ -86,7 +86,8 @@ def fake_engine(monkeypatch):
     runner `draft` for requests that ask for draft tokens (as speculative decoding would)."""
     main, draft = FakeRunner(shift=1), FakeRunner(shift=3)
 
-    def fake_make_decoder(llm, rows, params, prefix_cache=None, include_canvas=False, first_tokens=None):
+    def fake_make_decoder(llm, rows, params, prefix_cache=None, include_canvas=False, first_tokens=None,
+                          suffixes=None):
         if params.max_tokens > 40:
             raise ValueError("the fake model's context is 40 tokens")
         return FakeDecoder(rows, params.max_tokens, [main, draft] if params.num_draft_tokens else [main])
@@ -234,10 +235,10 @@ AR_REQUESTS = [
 def test_engine_step_mixes_diffusion_and_ar_requests(llada_path, llama_path, monkeypatch):
     diffusion, ar = kstep.load(llada_path), kstep.load(llama_path)
 
-    def make_either(llm, rows, params, prefix_cache=None, include_canvas=False, first_tokens=None):
+    def make_either(llm, rows, params, prefix_cache=None, include_canvas=False, first_tokens=None, suffixes=None):
         # Routes each request to its model: resolve() gives only diffusion params an unmask policy.
         return make_decoder(llm if params.policy is not None else ar, rows, params, prefix_cache, include_canvas,
-                            first_tokens)
+                            first_tokens, suffixes)
 
     monkeypatch.setattr(engine_module, "make_decoder", make_either)
     engine = Engine(diffusion, max_batch_size=8)

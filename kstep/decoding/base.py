@@ -26,11 +26,14 @@ class DecodeBatch:
     generator: torch.Generator | None  # seeded sampling
     include_canvas: bool = False       # report every position each step (`StepOutput.canvas`)
     first_allowed: torch.Tensor | None = None  # (B, V) bool: token healing's first tokens per row
+    suffixes: torch.Tensor | None = None      # (B, S) infilling: the text after the gap, right-padded
+    suffix_mask: torch.Tensor | None = None   # (B, S) True = real suffix token; None when nothing is padded
 
     @classmethod
     def from_prompts(cls, rows: list[list[int]], pad_id: int, stop_ids: list[int], mask_id: int | None,
                      device: torch.device, seed: int | None = None, include_canvas: bool = False,
-                     first_allowed: torch.Tensor | None = None) -> "DecodeBatch":
+                     first_allowed: torch.Tensor | None = None,
+                     suffixes: list[list[int]] | None = None) -> "DecodeBatch":
         width = max(len(ids) for ids in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         key_mask = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -39,9 +42,19 @@ class DecodeBatch:
             key_mask[row, width - len(prompt):] = True
         has_padding = not bool(key_mask.all())
         generator = None if seed is None else torch.Generator(device).manual_seed(seed)
+        suffix_ids = suffix_mask = None
+        if suffixes and any(suffixes):  # right-padded: every row's gap starts right after its prompt
+            width = max(len(s) for s in suffixes)
+            suffix_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+            suffix_mask = torch.zeros(len(rows), width, dtype=torch.bool)
+            for row, suffix in enumerate(suffixes):
+                suffix_ids[row, :len(suffix)] = torch.tensor(suffix, dtype=torch.long)
+                suffix_mask[row, :len(suffix)] = True
+            suffix_ids = suffix_ids.to(device)
+            suffix_mask = None if bool(suffix_mask.all()) else suffix_mask.to(device)
         return cls(ids.to(device), key_mask.to(device) if has_padding else None,
                    torch.tensor(stop_ids or [-1], device=device), pad_id, mask_id, generator, include_canvas,
-                   None if first_allowed is None else first_allowed.to(device))
+                   None if first_allowed is None else first_allowed.to(device), suffix_ids, suffix_mask)
 
     @property
     def num_rows(self) -> int:

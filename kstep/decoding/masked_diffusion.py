@@ -1,7 +1,8 @@
 """Masked-diffusion decoding: LLaDA's sampler (arXiv:2502.09992; ML-GSAI/LLaDA `generate.py`) and
 Fast-dLLM's accelerations (arXiv:2505.22618; NVlabs/Fast-dLLM `llada/generate.py`).
 
-The canvas is `prompt + max_tokens` masks, decoded semi-autoregressively in blocks. Each step
+The canvas is `prompt + max_tokens` masks (+ a suffix when infilling: attended to by every pass,
+never changed), decoded semi-autoregressively in blocks. Each step
 proposes a token for every masked position of the current block (argmax, or Gumbel-max at
 temperature > 0), scores it with the unmask rule, and unmasks the positions the policy picks:
 the linear schedule's count (`fixed`, the exact sampler), every position above a confidence
@@ -55,11 +56,17 @@ class DiffusionDecoder(Decoder):
         self.include_canvas, self.first_allowed = batch.include_canvas, batch.first_allowed
         prompts, key_mask, mask_id = batch.prompts, batch.key_mask, batch.mask_id
         B, P = prompts.shape
+        N, device = p.max_tokens, prompts.device
+        suffixes = batch.suffixes if batch.suffixes is not None else torch.zeros(B, 0, dtype=torch.long, device=device)
         self.prompt_len = P
-        self.canvas = torch.full((B, P + p.max_tokens), mask_id, dtype=torch.long, device=prompts.device)
+        # Infilling: prompt + N masks + suffix; every pass attends to the suffix, none changes it.
+        self.canvas = torch.full((B, P + N + suffixes.shape[1]), mask_id, dtype=torch.long, device=device)
         self.canvas[:, :P] = prompts
-        if key_mask is not None:
-            key_mask = torch.cat([key_mask, torch.ones(B, p.max_tokens, dtype=torch.bool, device=prompts.device)], 1)
+        self.canvas[:, P + N:] = suffixes
+        if key_mask is not None or batch.suffix_mask is not None:
+            def real(mask, width):
+                return mask if mask is not None else torch.ones(B, width, dtype=torch.bool, device=device)
+            key_mask = torch.cat([real(key_mask, P), real(None, N), real(batch.suffix_mask, suffixes.shape[1])], 1)
         self.key_mask = key_mask
         self.rule = confidence_rule(p.remasking)
         # Every block starts fully masked, so a fixed schedule is the same for all rows, known on the host.
@@ -75,8 +82,8 @@ class DiffusionDecoder(Decoder):
 
     @property
     def completions(self) -> torch.Tensor:
-        """(B, max_tokens) the canvas after the prompt: tokens, masks where still masked."""
-        return self.canvas[:, self.prompt_len:]
+        """(B, max_tokens) the gap after the prompt (before any suffix): tokens, masks where still masked."""
+        return self.canvas[:, self.prompt_len:self.prompt_len + self.params.max_tokens]
 
     @property
     def block(self) -> tuple[int, int]:

@@ -81,7 +81,8 @@ class Engine:
         """Create the request's decoder (allocates its KV cache); a failure fails only this request."""
         try:
             request.decoder = make_decoder(self.llm, request.rows, request.params, self.prefix_cache,
-                                           request.include_canvas, request.per_row(request.first_tokens))
+                                           request.include_canvas, request.per_row(request.first_tokens),
+                                           request.per_row(request.suffixes) or None)
         except (ValueError, RuntimeError) as e:  # e.g. out of memory for its cache
             self.scheduler.finish(request)
             return RequestOutput(request.request_id, [], 0, is_finished=True, error=str(e))

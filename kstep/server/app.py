@@ -148,7 +148,7 @@ class Routes:
         return route
 
     def _prepare(self, route: ModelRoute, body: SamplingFields, prompts: list[list[int]], is_text: list[bool],
-                 default_max_tokens: int) -> EngineRequest:
+                 default_max_tokens: int, suffix: list[int] | None = None) -> EngineRequest:
         """Params resolved for the model, text prompts token-healed, the context checked."""
         llm = route.llm
         if (field_name := body.unsupported()) is not None:
@@ -161,14 +161,16 @@ class Routes:
         healed = [llm.heal(ids, params, text) for ids, text in zip(prompts, is_text, strict=True)]
         prompts = [ids for ids, _, _ in healed]
         longest = max(len(p) for p in prompts)
+        suffixes = [suffix] * len(prompts) if suffix else []
         try:
-            llm.check_fits(prompts, params)
+            llm.check_fits(prompts, params, suffixes)
         except ValueError as e:
             raise APIError(400, f"{e} tokens", "prompt" if longest >= llm.cfg.max_positions else "max_tokens",
                            "context_length_exceeded") from None
         include_canvas = bool(body.stream_options and body.stream_options.include_canvas)
         return EngineRequest(prompts, params, body.n, stop, include_canvas and body.stream,
-                             given_back=[text for _, text, _ in healed], first_tokens=[ids for _, _, ids in healed])
+                             given_back=[text for _, text, _ in healed], first_tokens=[ids for _, _, ids in healed],
+                             suffixes=suffixes)
 
     @staticmethod
     def _encode(llm: LLM, prompt) -> list[int]:
@@ -179,8 +181,12 @@ class Routes:
 
     async def completions(self, body: CompletionRequest, request: Request):
         route = self.route(body, request)
-        if body.suffix is not None:
-            raise APIError(400, "suffix is not supported by kstep", "suffix")
+        suffix = None
+        if body.suffix:  # infilling: the completion is what goes between prompt and suffix
+            try:
+                suffix = route.llm.encode_suffix(body.suffix)
+            except ValueError as e:
+                raise APIError(400, str(e), "suffix") from None
         raw = body.prompt
         if isinstance(raw, list) and not raw:
             raise APIError(400, "prompt is empty: give at least one token", "prompt")
@@ -189,7 +195,7 @@ class Routes:
         tokenizer = route.llm.tokenizer
         echo = [(p if isinstance(p, str) else tokenizer.decode(ids) if tokenizer else "") if body.echo else ""
                 for p, ids in zip(items, prompts, strict=True)]
-        engine_request = self._prepare(route, body, prompts, [isinstance(p, str) for p in items], 16)
+        engine_request = self._prepare(route, body, prompts, [isinstance(p, str) for p in items], 16, suffix)
         return await self._respond(route, request, engine_request, body, chat=False,
                                    prefixes=[echo[i // body.n] for i in range(engine_request.num_rows)])
 
