@@ -61,6 +61,10 @@ def run_generate(args: argparse.Namespace) -> int:
         spec = ""
         if "acceptance_rate" in result.timings:
             spec = f", draft acceptance {result.timings['acceptance_rate']:.0%}"
+        if "predicted_seconds" in result.timings:
+            t = result.timings
+            spec += (f", time budget {t['time_budget']:g} s: planned {t['planned_passes']} passes, "
+                     f"predicted {t['predicted_seconds']:.2f} s")
         print(f"-- {result.completion_tokens} tokens, finish_reason={result.finish_reason}, nfe={result.nfe}, "
               f"{result.seconds:.2f} s, {result.tokens_per_forward:.2f} tokens/forward{spec}", file=sys.stderr)
     return 0

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kstep.budget import PassCosts, Plan, plan
 from kstep.bundled import resolve_model
 from kstep.decoding.drafters import NGRAM
 from kstep.decoding.loop import decode_alone
@@ -50,6 +51,7 @@ class LLM:
         self.family = FAMILIES[self.cfg.family]
         self.tokenizer: Tokenizer | None = load_tokenizer(self.path)
         self.runner = ModelRunner(self.model)
+        self.pass_costs = PassCosts()  # this device's measured pass costs, for time budgets (budget.py)
         eot = self.tokenizer.end_of_turn_ids() if self.tokenizer else []
         self.stop_ids = list(dict.fromkeys([*self.cfg.eos_token_ids, *eot]))
         self.pad_id = next(i for i in (self.cfg.pad_token_id, *self.stop_ids, 0) if i is not None
@@ -177,6 +179,13 @@ class LLM:
             raise ValueError(f"prompt ({longest} tokens) + {what} exceeds the model's context of "
                              f"{self.cfg.max_positions}")
 
+    def plan_budget(self, params: GenerationParams, prompt_len: int, suffix_len: int = 0) -> Plan:
+        """The decoding that fits params.time_budget (budget.py), from this model's pass costs here."""
+        if not self.pass_costs.is_calibrated:
+            self.pass_costs.calibrate(self.model, self.device, self.cfg.max_positions)
+        return plan(self.pass_costs, self.family.kind, params, prompt_len, suffix_len, params.time_budget,
+                    self.resolve)
+
     def cut_at_stop(self, row: list[int]) -> tuple[list[int], str]:
         """A completion up to its first end-of-sequence token, and why it ended."""
         for i, token in enumerate(row):
@@ -203,14 +212,20 @@ class LLM:
             if len(per_prompt) != len(items):
                 raise ValueError(f"suffix: give one, or one per prompt ({len(items)}), not {len(per_prompt)}")
             suffixes = [self.encode_suffix(s) for s in per_prompt]
+        timings: dict[str, float] = {}
+        if params.time_budget is not None:
+            plan = self.plan_budget(params, max(len(ids) for ids in batch),
+                                    max((len(s) for s in suffixes), default=0) if suffixes else 0)
+            params = plan.params
+            timings = {"time_budget": params.time_budget, "predicted_seconds": plan.predicted_seconds,
+                       "planned_passes": plan.passes}
         start = time.perf_counter()
         decoder = make_decoder(self, batch, params, first_tokens=[allowed for _, _, allowed in healed],
                                suffixes=suffixes)
-        timings: dict[str, float] = {}
         if self.family.kind == DIFFUSION:  # both kinds of pass reported, even when one did not run
-            timings = {"full_pass_seconds": 0.0, "window_pass_seconds": 0.0, "num_full_passes": 0,
-                       "num_window_passes": 0}
-        rows, row_nfe = decode_alone(decoder, timings)
+            timings.update({"full_pass_seconds": 0.0, "window_pass_seconds": 0.0, "num_full_passes": 0,
+                            "num_window_passes": 0})
+        rows, row_nfe = decode_alone(decoder, timings, self.pass_costs if self.pass_costs.is_calibrated else None)
         seconds = time.perf_counter() - start
         timings = {"decode_seconds": seconds, **timings, "batch_passes": decoder.nfe, **decoder.stats()}
         results = []

@@ -92,6 +92,9 @@ class GenerationParams:
     num_draft_tokens: int | None = knob(None, "draft tokens per target pass with a draft loaded "
                                               f"(default {DEFAULT_NUM_DRAFT_TOKENS}; 0 turns it off)",
                                         (AUTOREGRESSIVE,))
+    time_budget: float | None = knob(None, "seconds the completion may take: the passes are chosen to fit, from "
+                                           "this device's measured pass costs (diffusion: fewer passes; AR: fewer "
+                                           "tokens)", server_default=False, http=False)
     # Filled by `resolve` (never by a user): a resolved object is what decoders run.
     policy: UnmaskPolicy | None = field(default=None, metadata={"resolved": True})
     is_resolved: bool = field(default=False, metadata={"resolved": True})
@@ -112,6 +115,7 @@ class GenerationParams:
         _check_number("alg_temp", self.alg_temp, 0)
         _check_number("eps", self.eps, 0, 1, exclusive_low=True)
         _check_int("num_draft_tokens", self.num_draft_tokens, 0, 16, "[0, 16]")
+        _check_number("time_budget", self.time_budget, 0, exclusive_low=True)
         for name in ("exact", "early_stop", "ignore_eos", "token_healing", "fused_commit"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -6,11 +6,13 @@ from kstep.decoding.base import Decoder
 from kstep.runner.model_runner import execute_passes
 
 
-def decode_alone(decoder: Decoder, timings: dict[str, float]) -> tuple[list[list[int]], list[int]]:
+def decode_alone(decoder: Decoder, timings: dict[str, float], costs=None) -> tuple[list[list[int]], list[int]]:
     """Step the decoder to the end; returns per row its committed tokens and its nfe. Adds
-    `{kind}_pass_seconds` and `num_{kind}_passes` to timings."""
+    `{kind}_pass_seconds` and `num_{kind}_passes` to timings; one-row single passes also go to
+    `costs` (budget.PassCosts), which keeps the time-budget planner's table current."""
     rows: list[list[int]] | None = None
     row_nfe: list[int] = []
+    step_start = time.perf_counter()
     while passes := decoder.next_passes():
         start = time.perf_counter()
         logits = execute_passes(passes)
@@ -21,6 +23,10 @@ def decode_alone(decoder: Decoder, timings: dict[str, float]) -> tuple[list[list
             timings[f"{p.kind}_pass_seconds"] = timings.get(f"{p.kind}_pass_seconds", 0.0) + seconds
             timings[f"num_{p.kind}_passes"] = timings.get(f"num_{p.kind}_passes", 0) + 1
         out = decoder.update(logits)
+        if costs is not None and len(passes) == 1 and passes[0].ids.shape[0] == 1:  # the whole step: pass + update
+            p, now = passes[0], time.perf_counter()
+            costs.observe(p.ids.shape[1], p.mask.shape[-1] if p.mask is not None else p.ids.shape[1], now - step_start)
+            step_start = now
         rows = rows or [[] for _ in out.new_token_ids]
         for row, new in zip(rows, out.new_token_ids, strict=True):
             row.extend(new)

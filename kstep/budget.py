@@ -1,0 +1,146 @@
+"""Time budgets (`time_budget`): a completion ready by a deadline, by choosing how many passes to run.
+
+What a pass costs on this device is a per-model fit, seconds = a + b * tokens + c * tokens * attended
+(a fixed cost, the weights' work per token, attention's work per token and attended position),
+least squares over passes it timed: a calibration on first use, then every pass `LLM.generate` runs
+(`observe`, so the table follows the machine). From it, `plan` predicts a decoding's time and
+picks the most passes that fit:
+- a diffusion model (LLaDA, Dream: the canvas; block diffusion): its default adaptive decoding when
+  even its worst case (one token per pass) fits, unchanged; otherwise the most passes per block that
+  fit (at least one): LLaDA/Dream run that fixed schedule; a block model keeps its threshold with
+  that many passes as a cap (each pass: everything above the threshold, at least the schedule's count);
+- an AR model can only stop early: `max_tokens` is capped to what fits (finish_reason "length").
+A budget below what one pass per block (AR: one token) takes is an error naming that minimum.
+"""
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+
+import torch
+
+from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, GenerationParams
+
+
+class PassCosts:
+    """Seconds per forward pass of one model on its device, fitted to timed passes."""
+
+    def __init__(self, max_samples: int = 512):
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=max_samples)
+        self._coef: torch.Tensor | None = None
+        self._fitted_on = -1
+        self._seen = 0
+
+    def observe(self, tokens: int, attended: int, seconds: float) -> None:
+        self.samples.append((tokens, attended, seconds))
+        self._seen += 1
+
+    def calibrate(self, model, device: torch.device, max_positions: int, repeats: int = 3) -> None:
+        """Time whole-sequence passes of a few lengths (random ids), the best of `repeats` each."""
+        vocab = model.cfg.vocab_size
+        for length in (1, 8, 32, 128, 512):
+            length = min(length, max_positions)
+            ids = torch.randint(0, vocab, (1, length), device=device)
+            positions = torch.arange(length, device=device)[None]
+            best = float("inf")
+            with torch.inference_mode():
+                for _ in range(repeats + 1):  # the first warms up
+                    start = time.perf_counter()
+                    model(ids, positions)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    best = min(best, time.perf_counter() - start)
+            self.observe(length, length, best)
+
+    @property
+    def is_calibrated(self) -> bool:
+        return len(self.samples) >= 3
+
+    def predict(self, tokens: float, attended: float) -> float:
+        if self._fitted_on != self._seen:
+            rows = torch.tensor([[1.0, t, t * s] for t, s, _ in self.samples], dtype=torch.float64)
+            seconds = torch.tensor([[x] for _, _, x in self.samples], dtype=torch.float64)
+            # Least squares, then no negative terms (a cost cannot fall with more work).
+            coef = torch.linalg.lstsq(rows, seconds).solution.squeeze(1).clamp(min=0)
+            if float(coef.sum()) == 0:
+                coef = torch.tensor([float(seconds.mean()), 0.0, 0.0], dtype=torch.float64)
+            self._coef, self._fitted_on = coef, self._seen
+        a, b, c = self._coef.tolist()
+        return a + b * tokens + c * tokens * attended
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    params: GenerationParams         # resolved, what runs
+    predicted_seconds: float         # the plan's predicted time (the worst case when decoding is adaptive)
+    passes: int                      # the passes it plans for (the worst case when adaptive)
+
+
+def predicted_seconds(costs: PassCosts, kind: str, params: GenerationParams, prompt_len: int, suffix_len: int = 0,
+                      passes: int | None = None, max_tokens: int | None = None) -> tuple[float, int]:
+    """(seconds, passes) of one decoding: `passes` in total (diffusion; default: one per token)."""
+    n = max_tokens or params.max_tokens
+    if kind == AUTOREGRESSIVE:
+        seconds = costs.predict(prompt_len, prompt_len) + sum(costs.predict(1, prompt_len + i) for i in range(1, n))
+        return seconds, n
+    block = params.block_length
+    blocks = max(1, -(-n // block))
+    passes = passes if passes is not None else n + (blocks if kind == BLOCK_DIFFUSION else 0)
+    if kind == BLOCK_DIFFUSION:  # a prefill, then block passes against the finished blocks (P + N/2 on average);
+        attended = prompt_len + n / 2 + block  # with fused commits each block's first pass also runs the last block
+        fused = blocks if params.fused_commit else 0
+        return (costs.predict(prompt_len, prompt_len) + fused * costs.predict(2 * block, attended)
+                + (passes - fused) * costs.predict(block, attended)), passes
+    length = prompt_len + n + suffix_len
+    full = costs.predict(length, length)
+    if params.cache in (None, "none"):
+        return passes * full, passes
+    window = block if params.cache == "dual" else (n + block) / 2 + suffix_len
+    return blocks * full + max(0, passes - blocks) * costs.predict(window, length), passes
+
+
+MARGIN = 0.9  # plan for 90% of the budget: the fit's error on this machine is about +-10%
+
+
+def plan(costs: PassCosts, kind: str, params: GenerationParams, prompt_len: int, suffix_len: int,
+         budget: float, resolve) -> Plan:
+    """The decoding that fits `budget` seconds (module note); `resolve` re-resolves changed params."""
+    given, budget = budget, budget * MARGIN
+    worst, passes = predicted_seconds(costs, kind, params, prompt_len, suffix_len)
+    if worst <= budget:
+        return Plan(params, worst, passes)
+    if kind == AUTOREGRESSIVE:
+        fits = [n for n in range(1, params.max_tokens + 1)
+                if predicted_seconds(costs, kind, params, prompt_len, max_tokens=n)[0] <= budget]
+        if not fits:
+            minimum = predicted_seconds(costs, kind, params, prompt_len, max_tokens=1)[0]
+            raise ValueError(f"time_budget {given:g} s is below the {minimum / MARGIN:.3g} s even one token "
+                             "takes here (AR: a budget can only cap max_tokens)")
+        n = max(fits)
+        changed = resolve(replace(params, max_tokens=n, min_tokens=min(params.min_tokens, n), policy=None,
+                                  is_resolved=False))
+        return Plan(changed, *predicted_seconds(costs, kind, changed, prompt_len, max_tokens=n))
+    bl = params.block_length
+    blocks = max(1, -(-params.max_tokens // bl))
+    # Fixed schedules, most passes first: k per block. A block model keeps its sub-blocks while k
+    # allows one pass per sub-block at least, then unmasks the whole block (fewer passes, coarser).
+    candidates = [(k, params.sub_block_length) for k in range(bl, 0, -1)]
+    if kind == BLOCK_DIFFUSION:
+        sub = params.sub_block_length or bl
+        candidates = [(k, sub) for k in range(bl, bl // sub - 1, -1)] + [(k, bl) for k in range(bl // sub - 1, 0, -1)]
+    for k, sub in candidates:
+        total = k if kind == BLOCK_DIFFUSION else k * blocks  # block diffusion's steps are per block (SDAR's)
+        steps_passes = k * blocks + (0 if kind != BLOCK_DIFFUSION or params.fused_commit else blocks)
+        seconds, _ = predicted_seconds(costs, kind, params, prompt_len, suffix_len, passes=steps_passes)
+        if seconds <= budget:
+            # A block model keeps its threshold: with steps, each pass unmasks everything above it and at
+            # least the schedule's count, so `total` caps its passes and confident blocks take fewer.
+            keep = kind == BLOCK_DIFFUSION and params.policy is not None and params.policy.kind == "threshold"
+            try:
+                changed = resolve(replace(params, steps=total, threshold=params.policy.value if keep else None,
+                                          factor=None, policy=None, sub_block_length=sub, is_resolved=False))
+            except ValueError:  # a schedule the family does not take (Dream's cached sampler: >= 2 per block)
+                continue
+            return Plan(changed, seconds, steps_passes)
+    minimum, _ = predicted_seconds(costs, kind, params, prompt_len, suffix_len, passes=blocks)
+    raise ValueError(f"time_budget {given:g} s is below the {minimum / MARGIN:.3g} s even one pass per block "
+                     "takes here")

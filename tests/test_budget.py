@@ -1,0 +1,60 @@
+"""Time budgets: the planner picks the most passes that fit (monotone in the budget), refuses a
+budget below one pass per block with the minimum in the message, changes nothing when the budget
+is ample, and caps an AR model's max_tokens (it cannot coarsen, only stop early)."""
+import subprocess
+import sys
+
+import pytest
+
+import kstep
+from kstep.budget import PassCosts, plan
+from kstep.params import AUTOREGRESSIVE, DIFFUSION
+
+
+def toy_costs(fixed=1.0, per_token=0.01) -> PassCosts:
+    """A known table: seconds = fixed + per_token * tokens (attention free)."""
+    costs = PassCosts()
+    for tokens, attended in ((1, 1), (8, 8), (64, 64), (256, 256), (8, 256)):
+        costs.observe(tokens, attended, fixed + per_token * tokens)
+    return costs
+
+
+def test_planned_passes_grow_with_the_budget(llada_path):
+    llm = kstep.load(llada_path)
+    params = llm.resolve(kstep.GenerationParams(max_tokens=64, block_length=16))
+    costs = toy_costs()
+    passes = []
+    for budget in (8, 10, 20, 40, 80, 200):
+        chosen = plan(costs, DIFFUSION, params, 8, 0, budget, llm.resolve)
+        assert chosen.predicted_seconds <= 0.9 * budget
+        assert chosen.params.steps is None or chosen.params.steps % 4 == 0  # whole passes in every block
+        passes.append(chosen.passes)
+    assert passes == sorted(passes) and passes[0] < passes[-1] == 64  # ample: the default, one token per pass worst
+
+
+def test_an_impossible_budget_names_the_minimum(llada_path):
+    with pytest.raises(ValueError, match=r"time_budget 1e-06 s is below the [0-9.e-]+ s even one pass per block"):
+        kstep.load(llada_path).generate("def f(x):", max_tokens=16, time_budget=1e-6)
+    out = subprocess.run([sys.executable, "-m", "kstep", "generate", "def f(x):", "--model", str(llada_path),
+                          "--max-tokens", "16", "--time-budget", "0.000001"], capture_output=True, text=True)
+    assert out.returncode == 2 and "time_budget" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("path", ["llada_path", "llama_path", "v2_path"])
+def test_an_ample_budget_changes_nothing(path, request):
+    llm = kstep.load(request.getfixturevalue(path))
+    plain = llm.generate([5, 6, 7], max_tokens=16)[0]
+    budgeted = llm.generate([5, 6, 7], max_tokens=16, time_budget=600.0)[0]
+    assert budgeted.token_ids == plain.token_ids
+    assert budgeted.timings["predicted_seconds"] > 0 and budgeted.timings["planned_passes"] >= plain.nfe - 1
+
+
+def test_a_tight_budget_coarsens_diffusion_and_truncates_ar(llada_path, llama_path):
+    costs = toy_costs(fixed=1.0, per_token=0.0)  # one second per pass, whatever its shape
+    ar = kstep.load(llama_path)
+    capped = plan(costs, AUTOREGRESSIVE, ar.resolve(kstep.GenerationParams(max_tokens=32)), 4, 0, 10.0, ar.resolve)
+    assert capped.params.max_tokens == 9 and capped.passes == 9  # 9 passes <= 0.9 x 10 s
+    llada = kstep.load(llada_path)
+    coarse = plan(costs, DIFFUSION, llada.resolve(kstep.GenerationParams(max_tokens=32, block_length=8)), 4, 0, 10.0,
+                  llada.resolve)
+    assert coarse.params.steps == 8 and coarse.params.max_tokens == 32  # 2 per block: all 32 tokens in 8 passes
