@@ -108,14 +108,14 @@ def plan(costs: PassCosts, kind: str, params: GenerationParams, prompt_len: int,
     worst, passes = predicted_seconds(costs, kind, params, prompt_len, suffix_len)
     if worst <= budget:
         return Plan(params, worst, passes)
-    if kind == AUTOREGRESSIVE:
-        fits = [n for n in range(1, params.max_tokens + 1)
-                if predicted_seconds(costs, kind, params, prompt_len, max_tokens=n)[0] <= budget]
-        if not fits:
-            minimum = predicted_seconds(costs, kind, params, prompt_len, max_tokens=1)[0]
-            raise ValueError(f"time_budget {given:g} s is below the {minimum / MARGIN:.3g} s even one token "
+    if kind == AUTOREGRESSIVE:  # the time of n tokens grows with n: the last n whose running total fits
+        total, n = costs.predict(prompt_len, prompt_len), 0
+        while n < params.max_tokens and total <= budget:
+            n += 1
+            total += costs.predict(1, prompt_len + n)
+        if n == 0:
+            raise ValueError(f"time_budget {given:g} s is below the {total / MARGIN:.3g} s even one token "
                              "takes here (AR: a budget can only cap max_tokens)")
-        n = max(fits)
         changed = resolve(replace(params, max_tokens=n, min_tokens=min(params.min_tokens, n), policy=None,
                                   is_resolved=False))
         return Plan(changed, *predicted_seconds(costs, kind, changed, prompt_len, max_tokens=n))

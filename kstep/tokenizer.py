@@ -33,6 +33,7 @@ class Tokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
         self.special = {name: _token_text(self.config.get(name)) for name in ("bos_token", "eos_token", "pad_token")}
+        self._shown: dict[int, str] = {}  # token_text's cache: canvas views decode every position every step
         self._texts: list[str] | None = None
 
     @property
@@ -59,6 +60,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token: int) -> str:
+        """One token's text as `decode` shows it (special tokens hidden, U+FFFD for part of a multi-byte
+        character), cached; `_token_texts` is the raw text of every token, for healing."""
+        text = self._shown.get(token)
+        if text is None:
+            text = self._shown[token] = self.decode([token])
+        return text
 
     def heal(self, ids: list[int]) -> tuple[list[int], str, list[int]]:
         """Token healing (Microsoft guidance; Lundberg 2023): a prompt ending mid-token (a trailing

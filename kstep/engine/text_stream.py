@@ -67,7 +67,7 @@ def canvas_pieces(tokenizer: Tokenizer | None, row: list[int], mask_id: int | No
     """Each canvas position's own text (None where masked), for clients that draw positions: which
     were unmasked by this pass, which are committed. A token that is part of a multi-byte character
     shows as U+FFFD on its own."""
-    return [None if t == mask_id else tokenizer.decode([t]) if tokenizer is not None else str(t) for t in row]
+    return [None if t == mask_id else tokenizer.token_text(t) if tokenizer is not None else str(t) for t in row]
 
 
 def render_canvas(tokenizer: Tokenizer | None, row: list[int], mask_id: int | None) -> str:
