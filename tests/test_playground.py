@@ -109,7 +109,10 @@ def test_masks_are_drawn_while_refining(browser, pair):
     assert completion.find_elements(By.CSS_SELECTOR, ".mask")
     finished(browser)
     WebDriverWait(browser, 30).until(lambda d: MASK_PLACEHOLDER not in completion.text)
-    browser.find_element(By.ID, "replay").click()  # a finished run replays from its first state
+    replay = browser.find_element(By.ID, "replay")
+    WebDriverWait(browser, 30).until(lambda d: replay.is_enabled())  # once every pane has drawn its run
+    assert browser.find_element(By.ID, "run").is_enabled()
+    replay.click()  # a finished run replays from its first state
     WebDriverWait(browser, 30).until(lambda d: MASK_PLACEHOLDER in completion.text)
     assert console_errors(browser) == []
 

@@ -262,10 +262,19 @@ async function runAll(event) {
   $("#replay").disabled = true;
   try {
     await Promise.all(Object.values(panes).map((pane) => runModel(pane, s)));
+    await drained();
   } finally {
     $("#run").disabled = false;
     $("#replay").disabled = !Object.values(runs).some((r) => r.states.length);
   }
+}
+
+// Resolves once every pane has drawn its last queued state (paced drawing outlives the stream).
+function drained() {
+  return new Promise((resolve) => {
+    const check = () => Object.values(panes).every((p) => p.timer === null) ? resolve() : setTimeout(check, 50);
+    check();
+  });
 }
 
 function replay() {
