@@ -68,6 +68,17 @@ class PassCosts:
         return a + b * tokens + c * tokens * attended
 
 
+class LoadedCosts:
+    """A pass's cost when it joins a running batch whose steps take `load` seconds: the batch's step
+    (its passes, every request's sampling and unmasking) plus this request's own pass."""
+
+    def __init__(self, costs: PassCosts, load: float):
+        self.costs, self.load = costs, load
+
+    def predict(self, tokens: float, attended: float) -> float:
+        return self.costs.predict(tokens, attended) + self.load
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     params: GenerationParams         # resolved, what runs
@@ -76,9 +87,11 @@ class Plan:
 
 
 def predicted_seconds(costs: PassCosts, kind: str, params: GenerationParams, prompt_len: int, suffix_len: int = 0,
-                      passes: int | None = None, max_tokens: int | None = None) -> tuple[float, int]:
-    """(seconds, passes) of one decoding: `passes` in total (diffusion; default: one per token)."""
+                      passes: int | None = None, max_tokens: int | None = None, load: float = 0) -> tuple[float, int]:
+    """(seconds, passes) of one decoding: `passes` in total (diffusion; default: one per token). `load`:
+    seconds of every step of the running batch it joins (the server's; 0 when idle)."""
     n = max_tokens or params.max_tokens
+    costs = LoadedCosts(costs, load) if load else costs
     if kind == AUTOREGRESSIVE:
         seconds = costs.predict(prompt_len, prompt_len) + sum(costs.predict(1, prompt_len + i) for i in range(1, n))
         return seconds, n
@@ -102,8 +115,10 @@ MARGIN = 0.9  # plan for 90% of the budget: the fit's error on this machine is a
 
 
 def plan(costs: PassCosts, kind: str, params: GenerationParams, prompt_len: int, suffix_len: int,
-         budget: float, resolve) -> Plan:
-    """The decoding that fits `budget` seconds (module note); `resolve` re-resolves changed params."""
+         budget: float, resolve, load: float = 0) -> Plan:
+    """The decoding that fits `budget` seconds (module note); `resolve` re-resolves changed params;
+    `load`: seconds per step of the running batch it joins (0 when idle)."""
+    costs = LoadedCosts(costs, load) if load else costs
     given, budget = budget, budget * MARGIN
     worst, passes = predicted_seconds(costs, kind, params, prompt_len, suffix_len)
     if worst <= budget:

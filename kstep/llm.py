@@ -179,12 +179,17 @@ class LLM:
             raise ValueError(f"prompt ({longest} tokens) + {what} exceeds the model's context of "
                              f"{self.cfg.max_positions}")
 
-    def plan_budget(self, params: GenerationParams, prompt_len: int, suffix_len: int = 0) -> Plan:
-        """The decoding that fits params.time_budget (budget.py), from this model's pass costs here."""
+    def calibrate_pass_costs(self) -> None:
+        """Time a few passes for the time-budget planner's table, once (on the thread that runs torch)."""
         if not self.pass_costs.is_calibrated:
             self.pass_costs.calibrate(self.model, self.device, self.cfg.max_positions)
+
+    def plan_budget(self, params: GenerationParams, prompt_len: int, suffix_len: int = 0, load: int = 0) -> Plan:
+        """The decoding that fits params.time_budget (budget.py), from this model's pass costs here;
+        `load`: tokens per step of the batch the request joins (the server)."""
+        self.calibrate_pass_costs()
         return plan(self.pass_costs, self.family.kind, params, prompt_len, suffix_len, params.time_budget,
-                    self.resolve)
+                    self.resolve, load)
 
     def cut_at_stop(self, row: list[int]) -> tuple[list[int], str]:
         """A completion up to its first end-of-sequence token, and why it ended."""

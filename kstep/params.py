@@ -94,7 +94,7 @@ class GenerationParams:
                                         (AUTOREGRESSIVE,))
     time_budget: float | None = knob(None, "seconds the completion may take: the passes are chosen to fit, from "
                                            "this device's measured pass costs (diffusion: fewer passes; AR: fewer "
-                                           "tokens)", server_default=False, http=False)
+                                           "tokens)", server_default=False)
     # Filled by `resolve` (never by a user): a resolved object is what decoders run.
     policy: UnmaskPolicy | None = field(default=None, metadata={"resolved": True})
     is_resolved: bool = field(default=False, metadata={"resolved": True})

@@ -58,3 +58,34 @@ def test_a_tight_budget_coarsens_diffusion_and_truncates_ar(llada_path, llama_pa
     coarse = plan(costs, DIFFUSION, llada.resolve(kstep.GenerationParams(max_tokens=32, block_length=8)), 4, 0, 10.0,
                   llada.resolve)
     assert coarse.params.steps == 8 and coarse.params.max_tokens == 32  # 2 per block: all 32 tokens in 8 passes
+
+
+def test_http_time_budgets(llada_server, llama_server):
+    import openai
+    from test_server import client
+    api = client(llada_server)
+    plain = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=16, temperature=0)
+    ample = api.completions.create(model="tiny", prompt="def f(x):", max_tokens=16, temperature=0,
+                                   extra_body={"time_budget": 600.0})
+    assert ample.choices[0].text == plain.choices[0].text
+    usage = ample.usage.model_extra
+    assert usage["time_budget"] == 600.0 and usage["predicted_seconds"] > 0 and usage["planned_passes"] >= 16
+    with pytest.raises(openai.BadRequestError) as err:  # below what even an idle engine can do
+        api.completions.create(model="tiny", prompt="def f(x):", max_tokens=16, extra_body={"time_budget": 1e-6})
+    assert err.value.body["param"] == "time_budget" and "is below the" in err.value.body["message"]
+    # an AR model can only stop early: what fit, finish_reason "length"
+    short = client(llama_server).completions.create(model="tiny-ar", prompt="def f(x):", max_tokens=900,
+                                                    extra_body={"time_budget": 0.02, "min_tokens": 900})
+    assert short.choices[0].finish_reason == "length" and 0 < short.usage.completion_tokens < 900
+
+
+def test_load_makes_plans_coarser_then_infeasible(llada_path):
+    """Under load each pass takes the running batch's step time on top of its own."""
+    llada = kstep.load(llada_path)
+    params = llada.resolve(kstep.GenerationParams(max_tokens=32, block_length=8))
+    costs = toy_costs(fixed=1.0, per_token=0.0)
+    idle = plan(costs, DIFFUSION, params, 4, 0, 30.0, llada.resolve)
+    loaded = plan(costs, DIFFUSION, params, 4, 0, 30.0, llada.resolve, load=1.0)
+    assert loaded.passes < idle.passes and loaded.predicted_seconds <= 27.0
+    with pytest.raises(ValueError, match="below the"):
+        plan(costs, DIFFUSION, params, 4, 0, 30.0, llada.resolve, load=10.0)  # 4 passes x 11 s > 27 s

@@ -184,6 +184,9 @@ def _add_serve(kinds) -> None:
     bserve.add_argument("--threads", type=int, default=None, help="the server's torch threads")
     bserve.add_argument("--shared-prefix-tokens", type=int, default=0,
                         help="put the same N-token text before every prompt and compare prefix cache on / off")
+    bserve.add_argument("--time-budgets", default=None, metavar="1,0.75,0.5,0.25",
+                        help="time budgets as fractions of the default decoding's median latency at this load: "
+                             "the share answered within budget, refusals, tokens and passes")
     bserve.add_argument("--replicas", type=int, default=None,
                         help="compare 1 Ray Serve replica with this many (each --threads CPUs, default 1)")
     bserve.add_argument("--out", default="out/bench")
@@ -208,6 +211,18 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     if args.replicas is not None and (args.replicas < 2 or args.shared_prefix_tokens or args.url):
         raise ValueError(f"--replicas {args.replicas}: give 2 or more, without --shared-prefix-tokens or --url")
     prompts = held_out_code_prompts(args.num_prompts)
+    if args.time_budgets:
+        from kstep.bench.serve import format_budget_table, run_budget_bench
+        try:
+            fractions = [float(f) for f in args.time_budgets.split(",") if f.strip()]
+        except ValueError:
+            raise ValueError(f"--time-budgets {args.time_budgets!r} must be comma-separated numbers") from None
+        if not fractions or any(f <= 0 for f in fractions):
+            raise ValueError(f"--time-budgets {args.time_budgets!r}: each fraction must be positive")
+        result = run_budget_bench(args.model, args.concurrency, args.duration, args.max_tokens, prompts, settings,
+                                  args.threads, fractions, Path(args.out), progress=_progress)
+        print(format_budget_table(result))
+        return 0
     result = run_bench(args.model, args.concurrency, args.duration, args.max_tokens, prompts, settings, args.threads,
                        args.url, Path(args.out), progress=_progress, shared_prefix_tokens=args.shared_prefix_tokens,
                        replicas=args.replicas)

@@ -154,6 +154,49 @@ def run_bench(model: str, concurrency: int, duration: float, max_tokens: int, pr
     return result
 
 
+def run_budget_bench(model: str, concurrency: int, duration: float, max_tokens: int, prompts: list[str],
+                     settings: dict, threads: int | None, fractions: list[float], out: Path, progress=print) -> dict:
+    """Time budgets under load: one batched server; first the default decoding (its median latency at
+    this load is the reference), then each fraction of it as every request's `time_budget`: the share
+    of requests answered within budget, those refused (429: infeasible at the current load), tokens
+    and passes per request."""
+    settings = {"max_tokens": max_tokens, "min_tokens": max_tokens, **settings}
+    runs: dict[str, dict] = {}
+    with server(model, 16, threads, []) as base:
+        samples, seconds = asyncio.run(run_load(base, "bench", prompts, concurrency, duration, settings))
+        runs["no budget"] = {"budget_s": None, "max_batch_size": 16, **summarize(samples, seconds)}
+        progress(format_row("no budget", runs["no budget"]))
+        reference = runs["no budget"]["latency_p50_s"]
+        for fraction in fractions:
+            budget = fraction * reference
+            samples, seconds = asyncio.run(run_load(base, "bench", prompts, concurrency, duration,
+                                                    {**settings, "time_budget": budget}))
+            answered = [s for s in samples if s.status == 200]
+            name = f"{fraction:.0%} of the default's p50"
+            runs[name] = {"budget_s": budget, "max_batch_size": 16, **summarize(samples, seconds),
+                          "refused_429": sum(s.status == 429 for s in samples),
+                          "within_budget": sum(s.seconds <= budget for s in answered) / max(1, len(answered))}
+            progress(format_row(name, runs[name]) + f" within budget {runs[name]['within_budget']:.0%}")
+    result = {"model": model, "concurrency": concurrency, "duration_s": duration, "settings": settings,
+              "threads": threads, "reference_latency_s": reference, "runs": runs}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_serve_budget.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def format_budget_table(result: dict) -> str:
+    lines = [f"{result['model']}: {result['concurrency']} clients, {result['settings']['max_tokens']} tokens, "
+             f"the default's p50 latency {result['reference_latency_s']:.3f} s",
+             "| budget | budget s | answered | within budget | refused (429) | tokens | passes | output tokens/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in result["runs"].items():
+        within = "-" if r["budget_s"] is None else f"{r['within_budget']:.0%}"
+        budget = "-" if r["budget_s"] is None else f"{r['budget_s']:.3f}"
+        lines.append(f"| {name} | {budget} | {r['requests'] - r['failed']} | {within} | {r.get('refused_429', 0)} | "
+                     f"{r['mean_completion_tokens']:.1f} | {r['mean_nfe']:.1f} | {r['output_tokens_per_s']:.1f} |")
+    return "\n".join(lines)
+
+
 def _served_name(url: str) -> str:
     return httpx.get(url + "/v1/models").json()["data"][0]["id"]
 

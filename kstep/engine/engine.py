@@ -45,6 +45,12 @@ class Engine:
         self.prefix_cache = PrefixCache(prefix_cache_bytes, cache_block) if prefix_cache_bytes > 0 and shares_prefixes \
             else None
         self.streams: dict[str, list[TextStream]] = {}
+        self.step_seconds = 0.0  # recent steps' time (moving average): what a joining request waits per pass
+
+    def load_seconds(self) -> float:
+        """Seconds per step of the running batch, 0 when idle: each pass of a request that joins now
+        takes that plus its own (time budgets plan with it)."""
+        return self.step_seconds if self.scheduler.num_running else 0.0
 
     def add_request(self, request: Request) -> None:
         """Queue a request (raises QueueFull, or ValueError for params this model cannot run).
@@ -75,6 +81,7 @@ class Engine:
         outputs += [self._output(r, out) for r, out in zip(batch, step_outputs, strict=True)]
         stats = StepStats(len(batch), len({id(p.runner) for p in flat}), sum(p.num_tokens for p in flat),
                           time.perf_counter() - start, sum(out.num_committed for out in step_outputs))
+        self.step_seconds = stats.seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * stats.seconds
         return outputs, stats
 
     def _admit(self, request: Request) -> RequestOutput | None:

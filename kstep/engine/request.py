@@ -23,6 +23,7 @@ class Request:
     given_back: list[str] = field(default_factory=list)       # per prompt: text token healing took off its end
     first_tokens: list[list[int]] = field(default_factory=list)  # per prompt: the ids its first token may take
     suffixes: list[list[int]] = field(default_factory=list)      # per prompt: infilling's text after the gap
+    plan: Any = None                 # a time budget's budget.Plan (its prediction goes out in the usage)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival_time: float = field(default_factory=time.monotonic)
     decoder: Any = None              # created when the request is admitted; dropped when it finishes

@@ -167,10 +167,31 @@ class Routes:
         except ValueError as e:
             raise APIError(400, f"{e} tokens", "prompt" if longest >= llm.cfg.max_positions else "max_tokens",
                            "context_length_exceeded") from None
+        plan = None
+        if params.time_budget is not None:
+            params, plan = self._plan_budget(route, params, longest, len(suffix or []))
         include_canvas = bool(body.stream_options and body.stream_options.include_canvas)
         return EngineRequest(prompts, params, body.n, stop, include_canvas and body.stream,
                              given_back=[text for _, text, _ in healed], first_tokens=[ids for _, _, ids in healed],
-                             suffixes=suffixes)
+                             suffixes=suffixes, plan=plan)
+
+    @staticmethod
+    def _plan_budget(route: ModelRoute, params, prompt_len: int, suffix_len: int):
+        """A time budget's plan for the batch the request joins: 400 when even an idle engine cannot
+        meet it, 429 when only the current load is in the way (both name the minimum)."""
+        llm = route.llm
+        try:
+            llm.plan_budget(params, prompt_len, suffix_len)
+        except ValueError as e:
+            raise APIError(400, str(e), "time_budget") from None
+        load = route.engine.engine.load_seconds()
+        try:
+            plan = llm.plan_budget(params, prompt_len, suffix_len, load)
+        except ValueError as e:
+            raise APIError(429, f"{e} at the current load (the running batch's steps take {load * 1000:.1f} ms); "
+                                "retry later or with a larger budget", "time_budget", "time_budget_infeasible",
+                           "rate_limit_error") from None
+        return plan.params, plan
 
     @staticmethod
     def _encode(llm: LLM, prompt) -> list[int]:
@@ -179,8 +200,15 @@ class Routes:
         except ValueError as e:
             raise APIError(400, str(e), "prompt") from None
 
+    @staticmethod
+    async def _ready_for_budget(route: ModelRoute, body: SamplingFields) -> None:
+        """A time budget plans from measured pass costs: time them once, on the model's torch thread."""
+        if body.time_budget is not None and not route.llm.pass_costs.is_calibrated:
+            await route.engine.run_on_torch_thread(route.llm.calibrate_pass_costs)
+
     async def completions(self, body: CompletionRequest, request: Request):
         route = self.route(body, request)
+        await self._ready_for_budget(route, body)
         suffix = None
         if body.suffix:  # infilling: the completion is what goes between prompt and suffix
             try:
@@ -201,6 +229,7 @@ class Routes:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         route = self.route(body, request)
+        await self._ready_for_budget(route, body)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             prompt = route.llm.chat_prompt(messages)

@@ -28,8 +28,12 @@ class Stream:
         self.first_token_time: float | None = None
 
     def _usage(self, out: RequestOutput) -> dict:
-        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "total_tokens": out.prompt_tokens + out.completion_tokens, "nfe": out.step}
+        usage = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                 "total_tokens": out.prompt_tokens + out.completion_tokens, "nfe": out.step}
+        if self.request.plan is not None:  # a time budget: what was planned, beside what happened
+            usage.update(time_budget=self.request.params.time_budget, planned_passes=self.request.plan.passes,
+                         predicted_seconds=round(self.request.plan.predicted_seconds, 6))
+        return usage
 
     def _absorb(self, out: RequestOutput) -> list[tuple[int, str, str | None, ChoiceDelta]]:
         """Record the output; returns (index, text delta, finish_reason, the delta) per changed choice."""
