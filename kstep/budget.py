@@ -34,6 +34,12 @@ class PassCosts:
         self.samples.append((tokens, attended, seconds))
         self._seen += 1
 
+    def observe_step(self, passes: list, seconds: float) -> None:
+        """A step of one single-row pass (its whole step: pass, sampling, unmasking) refreshes the table."""
+        if len(passes) == 1 and passes[0].ids.shape[0] == 1:
+            p = passes[0]
+            self.observe(p.ids.shape[1], p.mask.shape[-1] if p.mask is not None else p.ids.shape[1], seconds)
+
     def calibrate(self, model, device: torch.device, max_positions: int, repeats: int = 3) -> None:
         """Time whole-sequence passes of a few lengths (random ids), the best of `repeats` each."""
         vocab = model.cfg.vocab_size

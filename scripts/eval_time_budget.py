@@ -24,7 +24,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plot-from", default=None, help="only redraw the plot of a saved JSON (beside it, .png)")
     args = ap.parse_args()
+    if args.plot_from:
+        plot(json.loads(Path(args.plot_from).read_text()), Path(args.plot_from).with_suffix(".png"))
+        return
     torch.set_num_threads(args.threads)
     n, rows, result = args.max_tokens, prompt_rows(None, None), []
     for name in args.models.split(","):
@@ -62,7 +66,35 @@ def main() -> None:
         print(f"| `{r['model']}` | {r['budget']} | {r['refused']} | {r['within_budget']:.0%} | {r['mean_tokens']} | "
               f"{r['mean_passes']} | {r['parse_rate']:.2f} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"max_tokens": n, "prompts": len(rows), "rows": result}, indent=2) + "\n")
+        saved = {"max_tokens": n, "prompts": len(rows), "rows": result}
+        Path(args.out).write_text(json.dumps(saved, indent=2) + "\n")
+        plot(saved, Path(args.out).with_suffix(".png"))
+
+
+def plot(saved: dict, path: Path) -> None:
+    """Parse rate and tokens against the budget, one line per model."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (quality, tokens) = plt.subplots(1, 2, figsize=(10, 4))
+    for model in dict.fromkeys(r["model"] for r in saved["rows"]):
+        rows = [r for r in saved["rows"] if r["model"] == model and r["budget"] != "none"]
+        free = next(r for r in saved["rows"] if r["model"] == model and r["budget"] == "none")
+        x = [float(r["budget"].split("%")[0]) for r in rows]
+        label = f"{model} ({'diffusion: fewer passes' if model != 'default-ar' else 'AR: fewer tokens'})"
+        for ax, key in ((quality, "parse_rate"), (tokens, "mean_tokens")):
+            line, = ax.plot(x, [r[key] for r in rows], "o-", label=label)
+            ax.plot([105], [free[key]], "*", markersize=12, color=line.get_color(), label=f"{model}, no budget")
+    quality.set_xlabel("time budget, % of the default decoding's own time (star: no budget)")
+    quality.set_ylabel("parse rate (function part)")
+    tokens.set_xlabel("time budget, % of the default decoding's own time")
+    tokens.set_ylabel(f"tokens returned (of {saved['max_tokens']})")
+    for ax in (quality, tokens):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Quality vs time budget, {saved['prompts']} held-out prompts, one request at a time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import kstep
+from kstep.budget import PassCosts
 import kstep.engine.engine as engine_module
 from kstep.decoding.base import Decoder
 from kstep.engine.engine import Engine, StepStats
@@ -94,7 +95,8 @@ def fake_engine(monkeypatch):
 
     monkeypatch.setattr(engine_module, "make_decoder", fake_make_decoder)
     llm = SimpleNamespace(resolve=lambda params: params, tokenizer=None, stop_ids=[STOP], kind="autoregressive",
-                          cfg=SimpleNamespace(mask_token_id=None, block_size=None), is_diffusion=False)
+                          cfg=SimpleNamespace(mask_token_id=None, block_size=None), is_diffusion=False,
+                          pass_costs=PassCosts())
     return SimpleNamespace(make=lambda **kw: Engine(llm, **kw), main=main, draft=draft)
 
 

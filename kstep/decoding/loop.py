@@ -23,9 +23,9 @@ def decode_alone(decoder: Decoder, timings: dict[str, float], costs=None) -> tup
             timings[f"{p.kind}_pass_seconds"] = timings.get(f"{p.kind}_pass_seconds", 0.0) + seconds
             timings[f"num_{p.kind}_passes"] = timings.get(f"num_{p.kind}_passes", 0) + 1
         out = decoder.update(logits)
-        if costs is not None and len(passes) == 1 and passes[0].ids.shape[0] == 1:  # the whole step: pass + update
-            p, now = passes[0], time.perf_counter()
-            costs.observe(p.ids.shape[1], p.mask.shape[-1] if p.mask is not None else p.ids.shape[1], now - step_start)
+        if costs is not None:  # the whole step: pass + update
+            now = time.perf_counter()
+            costs.observe_step(passes, now - step_start)
             step_start = now
         rows = rows or [[] for _ in out.new_token_ids]
         for row, new in zip(rows, out.new_token_ids, strict=True):

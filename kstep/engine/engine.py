@@ -82,6 +82,8 @@ class Engine:
         stats = StepStats(len(batch), len({id(p.runner) for p in flat}), sum(p.num_tokens for p in flat),
                           time.perf_counter() - start, sum(out.num_committed for out in step_outputs))
         self.step_seconds = stats.seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * stats.seconds
+        if self.llm.pass_costs.is_calibrated:  # a request alone: its step refreshes the planner's table
+            self.llm.pass_costs.observe_step(flat, stats.seconds)
         return outputs, stats
 
     def _admit(self, request: Request) -> RequestOutput | None:
