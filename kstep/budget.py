@@ -92,12 +92,11 @@ class Plan:
     passes: int                      # the passes it plans for (the worst case when adaptive)
 
 
-def predicted_seconds(costs: PassCosts, kind: str, params: GenerationParams, prompt_len: int, suffix_len: int = 0,
-                      passes: int | None = None, max_tokens: int | None = None, load: float = 0) -> tuple[float, int]:
-    """(seconds, passes) of one decoding: `passes` in total (diffusion; default: one per token). `load`:
-    seconds of every step of the running batch it joins (the server's; 0 when idle)."""
+def predicted_seconds(costs: "PassCosts | LoadedCosts", kind: str, params: GenerationParams, prompt_len: int,
+                      suffix_len: int = 0, passes: int | None = None,
+                      max_tokens: int | None = None) -> tuple[float, int]:
+    """(seconds, passes) of one decoding: `passes` in total (diffusion; default: one per token)."""
     n = max_tokens or params.max_tokens
-    costs = LoadedCosts(costs, load) if load else costs
     if kind == AUTOREGRESSIVE:
         seconds = costs.predict(prompt_len, prompt_len) + sum(costs.predict(1, prompt_len + i) for i in range(1, n))
         return seconds, n

@@ -127,11 +127,14 @@ class LLM:
     def encode_suffix(self, suffix: Prompt) -> list[int]:
         """Token ids of an infilling suffix (no special tokens: it continues the text), checked as a
         prompt's are. Only a model that attends to text after the gap can use one."""
+        self.require_infilling()
+        return self._encode(suffix, "suffix", special_tokens=False)
+
+    def require_infilling(self) -> None:
         if self.family.attention != "bidirectional":
             raise ValueError(f"suffix: infilling needs a model that attends to text after the gap (a full-attention "
                              f"diffusion model: LLaDA, Dream); {self.path.name} is {self.cfg.family} "
                              f"({self.family.attention.replace('_', '-')} attention), which cannot see it")
-        return self._encode(suffix, "suffix", special_tokens=False)
 
     def _encode(self, text_or_ids: Prompt, what: str, special_tokens: bool) -> list[int]:
         if isinstance(text_or_ids, str):

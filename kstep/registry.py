@@ -122,8 +122,8 @@ def make_decoder(llm: "LLM", rows: list[list[int]], params: GenerationParams,
     per row, the encoded text after the gap (infilling; full-attention families only)."""
     if not params.is_resolved:
         raise RuntimeError("internal: params reach a decoder resolved (GenerationParams.resolve, at the edge)")
-    if suffixes and any(suffixes) and llm.family.attention != "bidirectional":
-        raise ValueError(f"suffix: infilling needs a full-attention diffusion model, not {llm.cfg.family}")
+    if suffixes and any(suffixes):
+        llm.require_infilling()
     llm.check_fits(rows, params, suffixes)
     first_allowed = None
     if first_tokens and any(first_tokens):

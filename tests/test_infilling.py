@@ -38,7 +38,7 @@ def test_a_batch_with_different_suffixes_equals_single_runs(llada_path):
                                              threshold=0.5)[0].token_ids
 
 
-def test_suffix_padding_is_never_attended():
+def test_suffixes_are_right_padded_and_their_padding_masked():
     batch = DecodeBatch.from_prompts([[5, 6], [7]], pad_id=0, stop_ids=[1], mask_id=3, device=torch.device("cpu"),
                                      suffixes=[[8, 9, 10], [11]])
     assert batch.suffixes.tolist() == [[8, 9, 10], [11, 0, 0]]

@@ -21,7 +21,8 @@ def run_cell(spec: dict) -> dict:
         seconds = time.perf_counter() - start
     model_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
     policy = llm.resolve(kstep.GenerationParams(**settings)).policy if llm.is_diffusion else None
-    return {"threshold": policy.value if policy is not None and policy.kind == "threshold" else None,"seconds": seconds, "nfe": result.nfe, "peak_bytes": peak.bytes, "model_bytes": model_bytes,
+    return {"threshold": policy.value if policy is not None and policy.kind == "threshold" else None,
+            "seconds": seconds, "nfe": result.nfe, "peak_bytes": peak.bytes, "model_bytes": model_bytes,
             "timings": result.timings,
             "completion_tokens": result.completion_tokens, "finish_reason": result.finish_reason,
             "token_ids": result.token_ids}

@@ -162,9 +162,10 @@ def run_budget_bench(model: str, concurrency: int, duration: float, max_tokens: 
     and passes per request."""
     settings = {"max_tokens": max_tokens, "min_tokens": max_tokens, **settings}
     runs: dict[str, dict] = {}
-    with server(model, 16, threads, []) as base:
+    batch = 16
+    with server(model, batch, threads, []) as base:
         samples, seconds = asyncio.run(run_load(base, "bench", prompts, concurrency, duration, settings))
-        runs["no budget"] = {"budget_s": None, "max_batch_size": 16, **summarize(samples, seconds)}
+        runs["no budget"] = {"budget_s": None, "max_batch_size": batch, **summarize(samples, seconds)}
         progress(format_row("no budget", runs["no budget"]))
         reference = runs["no budget"]["latency_p50_s"]
         for fraction in fractions:
@@ -173,7 +174,7 @@ def run_budget_bench(model: str, concurrency: int, duration: float, max_tokens: 
                                                     {**settings, "time_budget": budget}))
             answered = [s for s in samples if s.status == 200]
             name = f"{fraction:.0%} of the default's p50"
-            runs[name] = {"budget_s": budget, "max_batch_size": 16, **summarize(samples, seconds),
+            runs[name] = {"budget_s": budget, "max_batch_size": batch, **summarize(samples, seconds),
                           "refused_429": sum(s.status == 429 for s in samples),
                           "within_budget": sum(s.seconds <= budget for s in answered) / max(1, len(answered))}
             progress(format_row(name, runs[name]) + f" within budget {runs[name]['within_budget']:.0%}")

@@ -1,6 +1,7 @@
 """FastAPI routes of `kstep serve`: /v1/models, /v1/completions, /v1/chat/completions (JSON or
-server-sent events), /health, /metrics, and the playground page at /. Validation happens here, at the edge (errors.py says no):
-params are resolved for the served model before a request reaches the engine.
+server-sent events), /health, /metrics, and the playground page at /. Validation happens here, at
+the edge (errors.py says no): params are resolved for the served model before a request reaches the
+engine.
 
 A server may serve several models: each has its own engine (continuous batching, caches, decoding
 defaults) on its own torch thread; a request's `model` picks one."""
@@ -181,10 +182,12 @@ class Routes:
         meet it, 429 when only the current load is in the way (both name the minimum)."""
         llm = route.llm
         try:
-            llm.plan_budget(params, prompt_len, suffix_len)
+            plan = llm.plan_budget(params, prompt_len, suffix_len)
         except ValueError as e:
             raise APIError(400, str(e), "time_budget") from None
         load = route.engine.engine.load_seconds()
+        if not load:
+            return plan.params, plan
         try:
             plan = llm.plan_budget(params, prompt_len, suffix_len, load)
         except ValueError as e:
