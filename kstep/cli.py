@@ -1,6 +1,6 @@
-"""The `kstep` command: `generate` and `random-checkpoint` here; `serve`, `bench`, `eval` and
-`train` next to their tools (server/cli.py, bench/cli.py, eval/cli.py, train/cli.py). Bad input:
-one line naming the value and the rule, exit code 2."""
+"""The `kstep` command: `generate` and `random-checkpoint` live here, the other commands next to
+their tools (server/, bench/, eval/, train/). Bad input: one line naming the value and the rule,
+exit code 2."""
 import argparse
 import json
 import sys
@@ -84,12 +84,26 @@ def _write_random(args) -> int:
     return 0
 
 
+DESCRIPTION = """\
+kstep runs diffusion language models (LLaDA, Dream, Fast-dLLM v2, SDAR), which fill in many output
+tokens per forward pass, and autoregressive models (Llama, Qwen2) as their baseline: generate text,
+serve an OpenAI-compatible API with continuous batching, and measure both side by side."""
+
+EPILOG = """\
+examples:
+  kstep generate 'def add(a, b):' --max-tokens 32      the bundled block-diffusion coder
+  kstep serve --model default --model default-ar        OpenAI API + playground on :8000
+  kstep bench compare                                   diffusion vs AR latency on this machine
+run `kstep COMMAND --help` for a command's options."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kstep.bench.cli import add_bench
     from kstep.eval.cli import add_eval
     from kstep.server.cli import add_serve
     from kstep.train.cli import add_distill, add_train, add_train_report
-    parser = argparse.ArgumentParser(prog="kstep", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kstep", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (add_generate, add_serve, add_eval, add_train, add_distill, add_train_report, add_bench,
                 add_random_checkpoint):

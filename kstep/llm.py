@@ -18,7 +18,9 @@ from kstep.decoding.loop import decode_alone
 from kstep.layers.quantized import quantize_model
 from kstep.outputs import GenerationResult
 from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, GenerationParams, knob_applies
-from kstep.registry import FAMILIES, make_decoder
+from kstep.decoding.base import DecodeBatch, Decoder
+from kstep.registry import FAMILIES, DecoderResources
+from kstep.runner.prefix_cache import PrefixCache
 from kstep.runner.model_runner import ModelRunner
 from kstep.tokenizer import Tokenizer, load_tokenizer
 from kstep.weights import load_model, read_json
@@ -182,6 +184,29 @@ class LLM:
             raise ValueError(f"prompt ({longest} tokens) + {what} exceeds the model's context of "
                              f"{self.cfg.max_positions}")
 
+    def make_decoder(self, rows: list[list[int]], params: GenerationParams, prefix_cache: PrefixCache | None = None,
+                     include_canvas: bool = False, first_tokens: list[list[int]] | None = None,
+                     suffixes: list[list[int]] | None = None) -> Decoder:
+        """The decoder of this model's family for encoded prompts `rows` (left-padded into one batch)
+        under resolved `params`; stepped alone by `generate`, or with other requests by the engine.
+        `first_tokens`: per row, the ids its first token may take (token healing; [] = any).
+        `suffixes`: per row, the encoded text after the gap (infilling; full-attention families only)."""
+        if not params.is_resolved:
+            raise RuntimeError("internal: params reach a decoder resolved (GenerationParams.resolve, at the edge)")
+        if suffixes and any(suffixes):
+            self.require_infilling()
+        self.check_fits(rows, params, suffixes)
+        first_allowed = None
+        if first_tokens and any(first_tokens):
+            first_allowed = torch.ones(len(rows), self.cfg.vocab_size, dtype=torch.bool)
+            for row, allowed in enumerate(first_tokens):
+                if allowed:
+                    first_allowed[row] = False
+                    first_allowed[row, allowed] = True
+        batch = DecodeBatch.from_prompts(rows, self.pad_id, self.stop_ids, self.cfg.mask_token_id, self.device,
+                                         params.seed, include_canvas, first_allowed, suffixes)
+        return self.family.decoder(self.runner, batch, params, DecoderResources(prefix_cache, self.drafter))
+
     def calibrate_pass_costs(self) -> None:
         """Time a few passes for the time-budget planner's table, once (on the thread that runs torch)."""
         if not self.pass_costs.is_calibrated:
@@ -228,7 +253,7 @@ class LLM:
             timings = {"time_budget": params.time_budget, "predicted_seconds": plan.predicted_seconds,
                        "planned_passes": plan.passes}
         start = time.perf_counter()
-        decoder = make_decoder(self, batch, params, first_tokens=[allowed for _, _, allowed in healed],
+        decoder = self.make_decoder(batch, params, first_tokens=[allowed for _, _, allowed in healed],
                                suffixes=suffixes)
         if self.family.kind == DIFFUSION:  # both kinds of pass reported, even when one did not run
             timings.update({"full_pass_seconds": 0.0, "window_pass_seconds": 0.0, "num_full_passes": 0,

@@ -13,9 +13,6 @@ file in models/ and a decoder in decoding/ (or a reused one).
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
-
-import torch
 
 from kstep.decoding.autoregressive import AutoregressiveDecoder
 from kstep.decoding.base import DecodeBatch, Decoder
@@ -28,9 +25,6 @@ from kstep.models.config import ModelConfig
 from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, GenerationParams
 from kstep.runner.model_runner import ModelRunner
 from kstep.runner.prefix_cache import PrefixCache
-
-if TYPE_CHECKING:
-    from kstep.llm import LLM
 
 
 @dataclass(slots=True, frozen=True)
@@ -113,29 +107,4 @@ def family_for(raw: dict) -> Family:
                      f" (supported: {', '.join(known)})")
 
 
-def make_decoder(llm: "LLM", rows: list[list[int]], params: GenerationParams,
-                 prefix_cache: PrefixCache | None = None, include_canvas: bool = False,
-                 first_tokens: list[list[int]] | None = None, suffixes: list[list[int]] | None = None) -> Decoder:
-    """The decoder of `llm`'s family for encoded prompts `rows` (left-padded into one batch) under
-    resolved `params`; stepped alone by `LLM.generate`, or with other requests by the engine.
-    `first_tokens`: per row, the ids its first token may take (token healing; [] = any). `suffixes`:
-    per row, the encoded text after the gap (infilling; full-attention families only)."""
-    if not params.is_resolved:
-        raise RuntimeError("internal: params reach a decoder resolved (GenerationParams.resolve, at the edge)")
-    if suffixes and any(suffixes):
-        llm.require_infilling()
-    llm.check_fits(rows, params, suffixes)
-    first_allowed = None
-    if first_tokens and any(first_tokens):
-        first_allowed = torch.ones(len(rows), llm.cfg.vocab_size, dtype=torch.bool)
-        for row, allowed in enumerate(first_tokens):
-            if allowed:
-                first_allowed[row] = False
-                first_allowed[row, allowed] = True
-    batch = DecodeBatch.from_prompts(rows, llm.pad_id, llm.stop_ids, llm.cfg.mask_token_id, llm.device, params.seed,
-                                     include_canvas, first_allowed, suffixes)
-    resources = DecoderResources(prefix_cache, llm.drafter)
-    return llm.family.decoder(llm.runner, batch, params, resources)
-
-
-__all__ = ["AUTOREGRESSIVE", "BLOCK_DIFFUSION", "DIFFUSION", "FAMILIES", "DecoderResources", "Family", "family_for", "make_decoder"]
+__all__ = ["AUTOREGRESSIVE", "BLOCK_DIFFUSION", "DIFFUSION", "FAMILIES", "DecoderResources", "Family", "family_for"]

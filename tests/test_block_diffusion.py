@@ -188,11 +188,10 @@ def test_prefix_cache_shares_whole_prompt_blocks(v2_path):
 def test_first_token_constraint_holds_at_a_block_boundary(v2_path, prompt_len):
     """Token healing's constraint (and min_tokens) also bind the AR first token of a block."""
     from kstep.decoding.loop import decode_alone
-    from kstep.registry import make_decoder
     llm = kstep.load(v2_path)
     params = llm.resolve(kstep.GenerationParams(max_tokens=8, threshold=0.8))
     prompt = prompt_ids(prompt_len, 4)
     free = llm.generate(prompt, params)[0].token_ids
     allowed = [t for t in range(20, 40) if t != free[0]]
-    rows, _ = decode_alone(make_decoder(llm, [prompt], params, first_tokens=[allowed]), {})
+    rows, _ = decode_alone(llm.make_decoder([prompt], params, first_tokens=[allowed]), {})
     assert rows[0][0] in allowed

@@ -10,13 +10,11 @@ import torch.nn.functional as F
 
 import kstep
 from kstep.budget import PassCosts
-import kstep.engine.engine as engine_module
 from kstep.decoding.base import Decoder
 from kstep.engine.engine import Engine, StepStats
 from kstep.engine.request import Request, RequestOutput
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
-from kstep.registry import make_decoder
 from kstep.runner.model_runner import ForwardPass
 
 VOCAB = 32
@@ -82,21 +80,20 @@ def expected_tokens(prompt: list[int], max_tokens: int, shifts: tuple[int, ...])
 
 
 @pytest.fixture
-def fake_engine(monkeypatch):
+def fake_engine():
     """The real Engine over a stand-in LLM; admitted requests get FakeDecoders on runner `main`, plus
     runner `draft` for requests that ask for draft tokens (as speculative decoding would)."""
     main, draft = FakeRunner(shift=1), FakeRunner(shift=3)
 
-    def fake_make_decoder(llm, rows, params, prefix_cache=None, include_canvas=False, first_tokens=None,
+    def fake_make_decoder(rows, params, prefix_cache=None, include_canvas=False, first_tokens=None,
                           suffixes=None):
         if params.max_tokens > 40:
             raise ValueError("the fake model's context is 40 tokens")
         return FakeDecoder(rows, params.max_tokens, [main, draft] if params.num_draft_tokens else [main])
 
-    monkeypatch.setattr(engine_module, "make_decoder", fake_make_decoder)
     llm = SimpleNamespace(resolve=lambda params: params, tokenizer=None, stop_ids=[STOP], kind="autoregressive",
                           cfg=SimpleNamespace(mask_token_id=None, block_size=None), is_diffusion=False,
-                          pass_costs=PassCosts())
+                          pass_costs=PassCosts(), make_decoder=fake_make_decoder)
     return SimpleNamespace(make=lambda **kw: Engine(llm, **kw), main=main, draft=draft)
 
 
@@ -237,12 +234,14 @@ AR_REQUESTS = [
 def test_engine_step_mixes_diffusion_and_ar_requests(llada_path, llama_path, monkeypatch):
     diffusion, ar = kstep.load(llada_path), kstep.load(llama_path)
 
-    def make_either(llm, rows, params, prefix_cache=None, include_canvas=False, first_tokens=None, suffixes=None):
-        # Routes each request to its model: resolve() gives only diffusion params an unmask policy.
-        return make_decoder(llm if params.policy is not None else ar, rows, params, prefix_cache, include_canvas,
-                            first_tokens, suffixes)
+    own_make_decoder = diffusion.make_decoder
 
-    monkeypatch.setattr(engine_module, "make_decoder", make_either)
+    def make_either(rows, params, prefix_cache=None, include_canvas=False, first_tokens=None, suffixes=None):
+        # Routes each request to its model: resolve() gives only diffusion params an unmask policy.
+        make = own_make_decoder if params.policy is not None else ar.make_decoder
+        return make(rows, params, prefix_cache, include_canvas, first_tokens, suffixes)
+
+    monkeypatch.setattr(diffusion, "make_decoder", make_either)
     engine = Engine(diffusion, max_batch_size=8)
     arrivals: dict[int, list[Request]] = {}
     expected: dict[str, list] = {}

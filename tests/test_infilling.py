@@ -7,7 +7,6 @@ import torch
 
 import kstep
 from kstep.decoding.base import DecodeBatch
-from kstep.registry import make_decoder
 from kstep.runner.model_runner import execute_passes
 
 PROMPT, SUFFIX = "def add(a, b):", "\n    return total\n\nprint(add(1, 2))\n"
@@ -21,7 +20,7 @@ def test_the_suffix_changes_the_gap_and_stays_as_it_is(llada_path, knobs):
     assert infilled.token_ids != plain.token_ids  # the random model's gap depends on what follows it
     params = llm.resolve(kstep.GenerationParams(max_tokens=16, **knobs))
     suffix_ids = llm.encode_suffix(SUFFIX)
-    decoder = make_decoder(llm, [llm.encode_prompt(PROMPT)], params, suffixes=[suffix_ids])
+    decoder = llm.make_decoder([llm.encode_prompt(PROMPT)], params, suffixes=[suffix_ids])
     with torch.inference_mode():
         while passes := decoder.next_passes():
             decoder.update(execute_passes(passes))

@@ -85,7 +85,8 @@ def _add_compare(kinds) -> None:
 
 
 def run_compare_command(args: argparse.Namespace) -> int:
-    from kstep.bench.compare import default_sides, format_table, run_compare
+    from kstep.bench.compare import default_sides, run_compare
+    from kstep.bench.compare_report import format_table
     from kstep.bench.cost_model import Device
     from kstep.bench.prompts import prompt_rows
     from kstep.bundled import resolve_model

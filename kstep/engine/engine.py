@@ -19,7 +19,6 @@ from kstep.engine.text_stream import TextStream, canvas_pieces, render_canvas
 from kstep.llm import LLM
 from kstep.outputs import StepOutput
 from kstep.params import DIFFUSION
-from kstep.registry import make_decoder
 from kstep.runner.model_runner import execute_passes
 from kstep.runner.prefix_cache import PrefixCache
 
@@ -89,9 +88,9 @@ class Engine:
     def _admit(self, request: Request) -> RequestOutput | None:
         """Create the request's decoder (allocates its KV cache); a failure fails only this request."""
         try:
-            request.decoder = make_decoder(self.llm, request.rows, request.params, self.prefix_cache,
-                                           request.include_canvas, request.per_row(request.first_tokens),
-                                           request.per_row(request.suffixes) or None)
+            request.decoder = self.llm.make_decoder(request.rows, request.params, self.prefix_cache,
+                                                    request.include_canvas, request.per_row(request.first_tokens),
+                                                    request.per_row(request.suffixes) or None)
         except (ValueError, RuntimeError) as e:  # e.g. out of memory for its cache
             self.scheduler.finish(request)
             return RequestOutput(request.request_id, [], 0, is_finished=True, error=str(e))

@@ -17,6 +17,7 @@ from kstep.train import data
 from kstep.train.block_objective import block_diffusion_loss
 from kstep.train.corpus import function_examples
 from kstep.train.objectives import ar_nll, diffusion_nll_bound
+from kstep.train.paths import PATH_KNOBS, portable_path
 from kstep.weights import read_json
 
 OBJECTIVE_TEXT = {
@@ -107,10 +108,12 @@ def reproduce_command(cfg: dict) -> str:
     """The `kstep train` command line that made a model, from its train_config.json."""
     from kstep.train.trainer import TrainConfig
     defaults = {name: f.default for name, f in TrainConfig.__dataclass_fields__.items()}
-    parts = ["kstep train", f"--objective {cfg['objective']}", f"--out {cfg['out']}"]
+    parts = ["kstep train", f"--objective {cfg['objective']}", f"--out {portable_path(cfg['out'])}"]
     for name, value in cfg.items():
         if name not in defaults or name in ("objective", "out") or value == defaults[name]:
             continue
+        if name in PATH_KNOBS:
+            value = portable_path(value)
         flag = "--" + name.replace("_", "-")
         parts.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}")
     return " ".join(parts)

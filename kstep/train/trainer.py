@@ -18,6 +18,7 @@ from kstep.models import ModelConfig, Transformer
 from kstep.train import bpe, data
 from kstep.train.block_objective import block_diffusion_loss
 from kstep.train.objectives import ar_loss, ar_nll, diffusion_loss, diffusion_nll_bound
+from kstep.train.paths import PATH_KNOBS, portable_path
 from kstep.weights import load_model, save_checkpoint
 
 OBJECTIVES = ("diffusion", "ar", "block-diffusion")
@@ -290,5 +291,7 @@ class Trainer:
                  "train": [f.rel for f in self.files if not f.is_held_out],
                  "held_out": [f.rel for f in self.files if f.is_held_out]}
         (self.out / "data_split.json").write_text(json.dumps(split, indent=1) + "\n")
-        (self.out / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
+        config = asdict(self.cfg)  # paths as a user types them in a checkout (model cards quote them)
+        config.update({k: portable_path(config[k]) for k in PATH_KNOBS if config.get(k)})
+        (self.out / "train_config.json").write_text(json.dumps(config, indent=2) + "\n")
         return self.out
