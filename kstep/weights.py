@@ -9,8 +9,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from kstep.models import ModelConfig, Transformer
+from kstep.models.parts import Part, parts_of
 from kstep.registry import AUTOREGRESSIVE, FAMILIES, family_for
 
 # Mask tokens of published diffusion tokenizers: Fast-dLLM v2 names its mask id nowhere else.
@@ -80,35 +82,71 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+# A shard is reopened after this many bytes have been read from it: the pages of a memory-mapped file
+# count as the process's memory while mapped, so reading a whole multi-GB shard through one mapping
+# would hold the weights twice at the peak.
+REOPEN_BYTES = 256 * 1024 * 1024
+
+
 def load_weights(model: Transformer, path: Path) -> None:
-    """Fill every parameter of `model` from the checkpoint at `path`, or raise naming what is wrong."""
-    names = _layout(model.cfg).checkpoint_names(model.cfg)
+    """Fill every parameter of `model` from the checkpoint at `path`, or raise naming what is wrong.
+    Tensors are copied one at a time into the parameters, in the checkpoint's dtype converted to the
+    parameter's (a bf16 checkpoint loaded as bf16 is never widened)."""
+    names = parts_of(_layout(model.cfg).checkpoint_names(model.cfg))
     files = _tensor_files(path)
     params = dict(model.named_parameters())
     if set(names) != set(params):
         raise RuntimeError(f"internal: name map and model disagree on {set(names) ^ set(params)}")
-    by_file: dict[Path, list[str]] = {}
-    for ours, theirs in names.items():
-        if theirs not in files:
-            raise ValueError(f"checkpoint {path}: missing tensor {theirs!r} "
-                             f"(expected shape {list(params[ours].shape)})")
-        by_file.setdefault(files[theirs], []).append(ours)
+    by_file: dict[Path, list[tuple[str, Part]]] = {}
+    for ours, parts in names.items():
+        for part in parts:
+            if part.tensor not in files:
+                raise ValueError(f"checkpoint {path}: missing tensor {part.tensor!r} "
+                                 f"(expected shape {list(_target(params[ours], part).shape)})")
+            by_file.setdefault(files[part.tensor], []).append((ours, part))
     with torch.no_grad():
-        for file, ours_list in by_file.items():
-            with safe_open(file, framework="pt") as f:
-                for ours in ours_list:
-                    tensor = f.get_tensor(names[ours])
-                    if tuple(tensor.shape) != tuple(params[ours].shape):
-                        raise ValueError(f"checkpoint {path}: tensor {names[ours]!r} has shape {list(tensor.shape)},"
-                                         f" expected {list(params[ours].shape)}")
-                    params[ours].copy_(tensor)
+        for file, wanted in by_file.items():
+            wanted.sort(key=lambda item: item[1].tensor)  # neighbouring tensors sit near each other on disk
+            start = 0
+            while start < len(wanted):
+                with safe_open(file, framework="pt") as f:
+                    read = 0
+                    while start < len(wanted) and read < REOPEN_BYTES:
+                        ours, part = wanted[start]
+                        read += _copy_part(f, params[ours], part, path)
+                        start += 1
+
+
+def _target(param: torch.Tensor, part: Part) -> torch.Tensor:
+    """The view of `param` that `part` fills, in the tensor's orientation."""
+    view = param[part.index] if part.index else param
+    return view.transpose(-1, -2) if part.transpose else view
+
+
+def _copy_part(f, param: torch.Tensor, part: Part, path: Path) -> int:
+    if part.rows is None:
+        tensor = f.get_tensor(part.tensor)
+    else:
+        tensor = f.get_slice(part.tensor)[part.rows[0]:part.rows[1]]
+    target = _target(param, part)
+    if tuple(tensor.shape) != tuple(target.shape):
+        what = part.tensor if part.rows is None else f"{part.tensor}[{part.rows[0]}:{part.rows[1]}]"
+        raise ValueError(f"checkpoint {path}: tensor {what!r} has shape {list(tensor.shape)},"
+                         f" expected {list(target.shape)}")
+    target.copy_(tensor)
+    return tensor.numel() * tensor.element_size()
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> Transformer:
-    """An uninitialised model on `device`/`dtype` (no random init: weights are loaded next)."""
+    """An uninitialised model on `device`/`dtype` (no random init: weights are loaded next). The
+    dtype is set on the meta device, so no float32 copy is ever allocated; float32-only tensors
+    (the rotary tables, a router's expert bias) stay float32."""
     with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = Transformer(cfg).to(dtype)
+    for module in model.modules():
+        for name in getattr(module, "keeps_float32", ()):
+            setattr(module, name, nn.Parameter(getattr(module, name).float(), requires_grad=False))
+    model = model.to_empty(device=device)
     model.reset_rotary(device)
     return model.eval().requires_grad_(False)
 
@@ -122,15 +160,23 @@ def load_model(path: str | Path, device: torch.device | str = "cpu",
     return model
 
 
+def checkpoint_tensors(model: Transformer, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's parameters as its family's checkpoint tensors (experts unstacked, fused rows joined)."""
+    params = dict(model.named_parameters())
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for ours, parts in parts_of(_layout(model.cfg).checkpoint_names(model.cfg)).items():
+        for part in parts:
+            value = _target(params[ours].detach(), part)
+            pieces.setdefault(part.tensor, []).append((part.rows[0] if part.rows else 0, value))
+    return {name: torch.cat([v for _, v in sorted(vs, key=lambda x: x[0])]).to("cpu", dtype or vs[0][1].dtype)
+            .contiguous() for name, vs in pieces.items()}
+
+
 def save_checkpoint(model: Transformer, path: str | Path, dtype: torch.dtype | None = None) -> None:
     """Write config.json + model.safetensors in the model family's own checkpoint layout."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    family = _layout(model.cfg)
-    raw = family.to_raw_config(model.cfg)
+    raw = _layout(model.cfg).to_raw_config(model.cfg)
     raw["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    params = dict(model.named_parameters())
-    tensors = {theirs: params[ours].detach().to("cpu", dtype or params[ours].dtype).contiguous()
-               for ours, theirs in family.checkpoint_names(model.cfg).items()}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(checkpoint_tensors(model, dtype), str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -122,10 +122,15 @@ class Attention(nn.Module):
         N, H, Hkv, hd = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         cos, sin = cos[:, None], sin[:, None]  # (N, 1, hd): broadcast over heads
         # Projections and rotary run once over every sequence's tokens; only attention is per sequence.
-        if self.fused is not None and not torch.is_grad_enabled() and self.q_norm is None:
+        if self.fused is not None and not torch.is_grad_enabled():
             qkv = project(x, self.fused).view(N, H + 2 * Hkv, hd)
-            qk = apply_rotary(qkv[:, :H + Hkv], cos, sin)  # (N, H + Hkv, hd)
-            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
+            if self.q_norm is None:
+                qk = apply_rotary(qkv[:, :H + Hkv], cos, sin)  # (N, H + Hkv, hd)
+                q, k = qk[:, :H], qk[:, H:]
+            else:
+                q = apply_rotary(self.q_norm(qkv[:, :H]), cos, sin)
+                k = apply_rotary(self.k_norm(qkv[:, H:H + Hkv]), cos, sin)
+            v = qkv[:, H + Hkv:]
         else:
             q, k = self.q_proj(x).view(N, H, hd), self.k_proj(x).view(N, Hkv, hd)  # (N, H|Hkv, hd)
             if self.q_norm is not None:

@@ -48,7 +48,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (..., hd) in float32 (LLaDA's rope_full_precision), return in x's dtype."""
+    """Rotate (..., hd) in float32 (LLaDA's rope_full_precision), return in x's dtype. Tables
+    narrower than hd (partial rotary, LLaDA2) rotate the first dims, half-split within them; the
+    rest pass through."""
+    width = cos.shape[-1]
+    if width < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :width], cos, sin), x[..., width:]], dim=-1)
     x32 = x.float()
     half = x32.shape[-1] // 2
     rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)

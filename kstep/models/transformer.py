@@ -11,19 +11,29 @@ from torch import nn
 from kstep.layers.attention import Attention, KVCache, Segment, fuse_linears
 from kstep.layers.labels import labelled
 from kstep.layers.mlp import SwiGLU
+from kstep.layers.moe import RouterSpec, SparseMoE
 from kstep.layers.norm import RMSNorm
 from kstep.layers.rotary import RotaryEmbedding
 from kstep.models.config import ModelConfig
 
 
+def feed_forward(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    """A layer's feed-forward: dense SwiGLU, or the sparse MoE block where the config says so."""
+    moe = cfg.moe
+    if moe is None or not moe.is_sparse(layer_idx):
+        return SwiGLU(cfg.d_model, cfg.ffn_dim, cfg.mlp_bias)
+    spec = RouterSpec(moe.router, moe.top_k, moe.renormalize, moe.n_group, moe.topk_group, moe.scaling, moe.has_bias)
+    return SparseMoE(cfg.d_model, moe.num_experts, moe.expert_dim, spec, moe.shared_dim, moe.logits_in_float32)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qkv_bias, cfg.out_bias,
                               cfg.norm_eps if cfg.qk_norm else None)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, cfg.mlp_bias)
+        self.mlp = feed_forward(cfg, layer_idx)
 
     def forward(self, x, cos, sin, segments, layer_idx, is_causal):
         x = x + self.attn(self.attn_norm(x), cos, sin, segments, layer_idx, is_causal)
@@ -35,15 +45,15 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.embedding_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.embedding_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rotary_width, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.fused_head: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def reset_rotary(self, device: torch.device | str) -> None:
         """(Re)build the float32 rotary tables on `device` (after meta init or a dtype cast)."""
-        self.rotary = RotaryEmbedding(self.cfg.head_dim, self.cfg.max_positions, self.cfg.rope_theta,
+        self.rotary = RotaryEmbedding(self.cfg.rotary_width, self.cfg.max_positions, self.cfg.rope_theta,
                                       self.cfg.rope_scaling).to(device)
 
     def fuse_projections(self) -> None:

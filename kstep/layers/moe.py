@@ -1,0 +1,190 @@
+"""Sparse Mixture-of-Experts feed-forward (Shazeer et al. 2017, arXiv:1701.06538): a router picks k
+of E experts per token; the token's output is the sum of their SwiGLU outputs weighted by the
+router, plus the shared experts every token runs (DeepSeekMoE, arXiv:2401.06066).
+
+Owns the routing strategies, the stacked expert weights and the dispatch. It does not decide which
+layers are sparse (the model config does) nor how a checkpoint names the experts (models/).
+
+Routing strategies, one each (`ROUTERS`), all in float32 as the references compute them:
+- `softmax`: probabilities over all experts, the k largest, renormalised to sum to one or not
+  (LLaDA-MoE: not, and an expert bias, when the checkpoint has one, is added to the probabilities
+  and so to the weights too; Qwen3-MoE / SDAR-MoE: renormalised).
+- `sigmoid_grouped` (LLaDA2, DeepSeek-V3's auxiliary-loss-free balancing, arXiv:2408.15664):
+  sigmoid scores; an expert bias added for *choosing* only; experts in `n_group` groups ranked by
+  the sum of their two best biased scores, the best `topk_group` groups kept; the k best biased
+  scores among those; weights are the unbiased scores renormalised (when k > 1), times
+  `routed_scaling_factor`.
+
+Dispatch: the (token, expert) pairs are sorted by expert and every expert that some token chose
+runs one matmul over all of its tokens (`torch._grouped_mm` where torch has it, else a loop over
+the active experts), so a packed pass of many requests reads each chosen expert's weights once.
+Expert outputs are weighted and summed in float32 (as the references combine), then cast back.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kstep.layers.labels import labelled
+from kstep.layers.mlp import SwiGLU
+
+ROUTERS = ("softmax", "sigmoid_grouped")
+HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+@dataclass(slots=True)
+class Routing:
+    """Each token's chosen experts and their combine weights."""
+    expert_ids: torch.Tensor   # (N, k) long
+    weights: torch.Tensor      # (N, k) float32
+
+
+@dataclass(slots=True, frozen=True)
+class RouterSpec:
+    kind: str                            # one of ROUTERS
+    top_k: int
+    renormalize: bool = True             # softmax: weights renormalised over the chosen k
+    n_group: int = 1                     # sigmoid_grouped: expert groups, and how many are kept
+    topk_group: int = 1
+    scaling: float = 1.0                 # routed_scaling_factor
+    has_bias: bool = False               # an expert bias (expert_bias) in the checkpoint
+
+    def __post_init__(self):
+        if self.kind not in ROUTERS:
+            raise ValueError(f"router {self.kind!r} is not one of {', '.join(ROUTERS)}")
+
+
+def softmax_topk(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None) -> Routing:
+    """logits (N, E) float32 -> the k most probable experts (LLaDA-MoE's bias, if any, shifts the
+    probabilities it chooses and combines with)."""
+    probs = logits.softmax(-1)
+    if bias is not None:
+        probs = probs + bias
+    weights, ids = probs.topk(spec.top_k, dim=-1)
+    if spec.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return Routing(ids, weights * spec.scaling if spec.scaling != 1.0 else weights)
+
+
+def sigmoid_grouped_topk(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None) -> Routing:
+    """logits (N, E) float32 -> LLaDA2's group-limited choice on biased scores, unbiased weights."""
+    N, E = logits.shape
+    scores = logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    if spec.n_group > 1:
+        groups = choice.view(N, spec.n_group, E // spec.n_group)
+        group_scores = groups.topk(2, dim=-1).values.sum(-1)  # (N, n_group)
+        kept = group_scores.topk(spec.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // spec.n_group, dim=1), float("-inf"))
+    ids = choice.topk(spec.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if spec.top_k > 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return Routing(ids, weights * spec.scaling)
+
+
+STRATEGIES = {"softmax": softmax_topk, "sigmoid_grouped": sigmoid_grouped_topk}
+
+
+class Router(nn.Module):
+    """The gate (a linear map to one logit per expert), an optional expert bias, and a strategy."""
+    keeps_float32 = ("bias",)  # whatever the model dtype: a bf16 bias would round the choice
+
+    def __init__(self, d_model: int, num_experts: int, spec: RouterSpec, logits_in_float32: bool = True):
+        super().__init__()
+        if spec.kind == "sigmoid_grouped" and (num_experts % spec.n_group or num_experts // spec.n_group < 2):
+            raise ValueError(f"num_experts ({num_experts}) must split into n_group ({spec.n_group}) groups of "
+                             "at least 2 experts")
+        if spec.kind == "sigmoid_grouped" and spec.topk_group * (num_experts // spec.n_group) < spec.top_k:
+            raise ValueError(f"topk_group ({spec.topk_group}) groups hold fewer than top_k ({spec.top_k}) experts")
+        if not 1 <= spec.top_k <= num_experts:
+            raise ValueError(f"top_k ({spec.top_k}) must be between 1 and num_experts ({num_experts})")
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32)) if spec.has_bias else None
+        self.logits_in_float32 = logits_in_float32  # LLaDA2: F.linear in float32; LLaDA-MoE: in the model dtype
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x (N, D) -> each token's experts and weights."""
+        if self.logits_in_float32:
+            logits = F.linear(x.float(), self.weight.float())  # (N, E)
+        else:
+            logits = F.linear(x, self.weight).float()
+        bias = None if self.bias is None else self.bias.float()
+        return STRATEGIES[self.spec.kind](logits, self.spec, bias)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts with stacked weights in the (in, out) layout the decode matmuls prefer:
+    gate_up (E, D, 2I) = [gate | up], down (E, I, D)."""
+
+    def __init__(self, num_experts: int, d_model: int, expert_dim: int):
+        super().__init__()
+        self.num_experts, self.expert_dim = num_experts, expert_dim
+        self.gate_up = nn.Parameter(torch.empty(num_experts, d_model, 2 * expert_dim))
+        self.down = nn.Parameter(torch.empty(num_experts, expert_dim, d_model))
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x (N, D) -> (N, D): each token's routed outputs, weighted and summed in float32."""
+        N, k = routing.expert_ids.shape
+        flat = routing.expert_ids.reshape(-1)  # (N*k,)
+        order = flat.argsort(stable=True)
+        tokens = order // k  # (N*k,) the token of each sorted pair
+        counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
+        hidden = self._swiglu(x[tokens], counts)  # (N*k, D) in expert order
+        weighted = hidden.float() * routing.weights.reshape(-1)[order, None]
+        out = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device)
+        return out.index_add_(0, tokens, weighted).to(x.dtype)
+
+    def _can_group(self, rows: torch.Tensor) -> bool:
+        """torch's grouped matmul wants matching dtypes and rows of whole 16-byte units."""
+        size = rows.element_size()
+        return HAS_GROUPED_MM and rows.dtype == self.gate_up.dtype and \
+            all(width * size % 16 == 0 for width in (rows.shape[1], self.expert_dim))
+
+    def _swiglu(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows (M, D) sorted by expert, counts (E,) rows per expert -> (M, D)."""
+        if self._can_group(rows):
+            ends = counts.cumsum(0).to(torch.int32)
+            gate, up = torch._grouped_mm(rows, self.gate_up, offs=ends).chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(gate) * up, self.down, offs=ends)
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts.tolist()):  # one sync per layer: which experts run
+            if count:
+                gate, up = (rows[start:start + count] @ self.gate_up[expert]).chunk(2, dim=-1)
+                out[start:start + count] = (F.silu(gate) * up) @ self.down[expert]
+                start += count
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Router + routed experts (+ shared experts, a SwiGLU every token runs, added after routing).
+    `last_routing` keeps the latest pass's choices when `keep_routing` is set (tests, benchmarks)."""
+
+    def __init__(self, d_model: int, num_experts: int, expert_dim: int, spec: RouterSpec,
+                 shared_dim: int = 0, logits_in_float32: bool = True):
+        super().__init__()
+        self.router = Router(d_model, num_experts, spec, logits_in_float32)
+        self.experts = Experts(num_experts, d_model, expert_dim)
+        self.shared = SwiGLU(d_model, shared_dim, bias=False) if shared_dim else None
+        self.keep_routing = False
+        self.last_routing: Routing | None = None
+
+    def fuse(self) -> None:
+        if self.shared is not None:
+            self.shared.fuse()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., D) -> (..., D)."""
+        flat = x.reshape(-1, x.shape[-1])  # (N, D)
+        with labelled("kstep.moe"):
+            routing = self.router(flat)
+            if self.keep_routing:
+                self.last_routing = routing
+            out = self.experts(flat, routing)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view_as(x)
