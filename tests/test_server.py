@@ -108,6 +108,8 @@ def test_canvas_snapshots_show_refinement(llada_server):
                for p, ch in zip(pieces, chunks))
     tokens = [ch["choices"][0]["tokens"] for ch in chunks]  # committed so far
     assert tokens == sorted(tokens) and tokens[-1] == chunks[-1]["usage"]["completion_tokens"]
+    # LLaDA never changes an unmasked token: no position is reported as edited
+    assert all(ch["choices"][0]["canvas_edits"] == [] for ch in chunks)
 
 
 def test_canvas_stream_of_an_ar_model_counts_steps_and_tokens(llama_server):

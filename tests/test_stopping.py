@@ -85,3 +85,13 @@ def test_min_tokens_suppresses_stop_tokens(tmp_path, llama_path, llada_path, dra
         assert len(part.token_ids) >= 4
     with pytest.raises(ValueError, match="min_tokens"):
         kstep.GenerationParams(max_tokens=8, min_tokens=9)
+
+
+def test_canvas_edits_are_tokens_changed_into_other_tokens_not_masks_filled():
+    from kstep.engine.text_stream import TextStream
+    stream, MASK = TextStream(None, [], []), 9
+    assert stream.canvas_edits([MASK, MASK, MASK], MASK) == []
+    assert stream.canvas_edits([1, MASK, MASK], MASK) == []       # a mask filled in is not an edit
+    assert stream.canvas_edits([2, 5, MASK], MASK) == [0]         # 1 -> 2 is
+    assert stream.canvas_edits([2, 5, 7], MASK) == []
+    assert stream.canvas_edits([3, 5, 8], None) == [0, 2]         # no mask id (random-start canvases)

@@ -111,12 +111,14 @@ class Engine:
             if stream.finish_reason is not None:
                 continue
             text, ids = stream.update(committed, request.is_finished)
-            canvas = pieces = None
+            canvas = pieces = edits = None
             if out.canvas is not None:
-                canvas = render_canvas(self.llm.tokenizer, out.canvas[index], self.llm.cfg.mask_token_id)
-                pieces = canvas_pieces(self.llm.tokenizer, out.canvas[index], self.llm.cfg.mask_token_id)
+                row, mask_id = out.canvas[index], self.llm.cfg.mask_token_id
+                canvas = render_canvas(self.llm.tokenizer, row, mask_id)
+                pieces = canvas_pieces(self.llm.tokenizer, row, mask_id)
+                edits = stream.canvas_edits(row, mask_id)
             if text or ids or stream.finish_reason or canvas is not None:
-                choices.append(ChoiceDelta(index, text, ids, stream.finish_reason, canvas, pieces))
+                choices.append(ChoiceDelta(index, text, ids, stream.finish_reason, canvas, pieces, edits))
         if request.is_finished:
             self.streams.pop(request.request_id, None)
         return RequestOutput(request.request_id, choices, request.nfe, request.is_finished,

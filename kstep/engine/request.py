@@ -62,6 +62,7 @@ class ChoiceDelta:
     finish_reason: str | None = None  # stop | length | None while running
     canvas: str | None = None        # the whole current canvas, masks as MASK_PLACEHOLDER (include_canvas)
     canvas_pieces: list[str | None] | None = None  # per canvas position: its token's text, None if masked
+    canvas_edits: list[int] | None = None  # canvas positions whose token changed to another token since the last
 
 
 @dataclass(slots=True)

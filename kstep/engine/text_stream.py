@@ -29,6 +29,15 @@ class TextStream:
         self.sent_text, self.num_sent_ids = "", 0
         self.finish_reason: str | None = None
         self.num_tokens = 0
+        self.last_canvas: list[int] | None = None  # the canvas last reported (include_canvas)
+
+    def canvas_edits(self, canvas: list[int], mask_id: int | None) -> list[int]:
+        """Positions of `canvas` holding another token than when the canvas was last reported (not
+        a mask filled in: an edit, which token-editing and random-start samplers make), and remember it."""
+        last, self.last_canvas = self.last_canvas, list(canvas)
+        if last is None:
+            return []
+        return [i for i, (old, new) in enumerate(zip(last, canvas)) if old != new and old != mask_id and new != mask_id]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer else ""

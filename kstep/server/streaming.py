@@ -114,6 +114,7 @@ class Stream:
                         choice["step"], choice["tokens"] = out.step, self.num_tokens[index]
                         if delta.canvas is not None:
                             choice["canvas"], choice["canvas_pieces"] = delta.canvas, delta.canvas_pieces
+                            choice["canvas_edits"] = delta.canvas_edits
                     choices.append(choice)
                 if out.is_finished:
                     is_done = True
