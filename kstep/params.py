@@ -9,9 +9,10 @@ Sampling knobs serve every family; `steps`, `block_length`, `remasking`, `cfg_sc
 masked-diffusion knobs of LLaDA's `generate()` (`gen_length` is `max_tokens`); `alg_temp` and `eps`
 are Dream's (`diffusion_generate`).
 """
-import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
+
+from kstep.validation import check_int, check_number
 
 # The kinds of family: masked diffusion over a canvas (LLaDA, Dream), block diffusion (bidirectional
 # inside a block, causal across: Fast-dLLM v2, SDAR), autoregressive.
@@ -80,6 +81,11 @@ class GenerationParams:
                                    "checkpoint's generation_config, else 1e-3)", ("dream",))
     sub_block_length: int | None = knob(None, "Fast-dLLM v2's small_block_size: unmask only inside the current "
                                               "sub-block of this many tokens (default 8)", ("fast_dllm_v2",))
+    editing_threshold: float | None = knob(None, "LLaDA2.1's token editing: inside the current block, a filled token is "
+                                                 "replaced when another token's confidence is above this (default: "
+                                                 "the checkpoint's generation_config, else off)", ("llada2_moe",))
+    max_post_steps: int | None = knob(None, "token editing: passes after a block's last mask that may still edit it "
+                                            "(LLaDA2.1's max_post_steps; default 16)", ("llada2_moe",))
     fused_commit: bool = knob(True, "block diffusion: a finished block's keys/values are written by the next "
                                     "block's first pass, not by a pass of their own (one pass fewer per block; "
                                     "exact, or off: the references' commit pass)", (BLOCK_DIFFUSION,))
@@ -100,22 +106,24 @@ class GenerationParams:
     is_resolved: bool = field(default=False, metadata={"resolved": True})
 
     def __post_init__(self):
-        _check_int("max_tokens", self.max_tokens, 1)
-        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, f"[0, max_tokens={self.max_tokens}]")
-        _check_number("temperature", self.temperature, 0)
-        _check_int("top_k", self.top_k, 1)
-        _check_number("top_p", self.top_p, 0, 1, exclusive_low=True)
-        _check_int("seed", self.seed, None)
-        _check_int("steps", self.steps, 1)
-        _check_int("block_length", self.block_length, 1)
-        _check_int("sub_block_length", self.sub_block_length, 1)
-        _check_number("cfg_scale", self.cfg_scale, 0)
-        _check_number("threshold", self.threshold, 0, 1, exclusive_low=True)
-        _check_number("factor", self.factor, 0, exclusive_low=True)
-        _check_number("alg_temp", self.alg_temp, 0)
-        _check_number("eps", self.eps, 0, 1, exclusive_low=True)
-        _check_int("num_draft_tokens", self.num_draft_tokens, 0, 16, "[0, 16]")
-        _check_number("time_budget", self.time_budget, 0, exclusive_low=True)
+        check_int("max_tokens", self.max_tokens, 1)
+        check_int("min_tokens", self.min_tokens, 0, self.max_tokens, f"[0, max_tokens={self.max_tokens}]")
+        check_number("temperature", self.temperature, 0)
+        check_int("top_k", self.top_k, 1)
+        check_number("top_p", self.top_p, 0, 1, exclusive_low=True)
+        check_int("seed", self.seed, None)
+        check_int("steps", self.steps, 1)
+        check_int("block_length", self.block_length, 1)
+        check_int("sub_block_length", self.sub_block_length, 1)
+        check_number("cfg_scale", self.cfg_scale, 0)
+        check_number("threshold", self.threshold, 0, 1, exclusive_low=True)
+        check_number("factor", self.factor, 0, exclusive_low=True)
+        check_number("alg_temp", self.alg_temp, 0)
+        check_number("eps", self.eps, 0, 1, exclusive_low=True)
+        check_int("num_draft_tokens", self.num_draft_tokens, 0, 16, "[0, 16]")
+        check_number("time_budget", self.time_budget, 0, exclusive_low=True)
+        check_number("editing_threshold", self.editing_threshold, 0, 1, exclusive_low=True)
+        check_int("max_post_steps", self.max_post_steps, 0)
         for name in ("exact", "early_stop", "ignore_eos", "token_healing", "fused_commit"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -180,6 +188,11 @@ class GenerationParams:
         sub = self.sub_block_length or self.block_length
         if self.block_length % sub:
             raise ValueError(f"sub_block_length ({sub}) must divide block_length ({self.block_length})")
+        if self.editing_threshold is None and self.max_post_steps is not None:
+            raise ValueError("max_post_steps counts token-editing passes: give editing_threshold too")
+        if self.editing_threshold is not None and (self.exact or self.steps is not None):
+            raise ValueError("editing_threshold: token editing unmasks by threshold, at least one per pass "
+                             "(LLaDA2.1): it takes no exact or steps")
         steps = self.block_length if self.exact else self.steps
         if steps is not None and steps > self.block_length:
             raise ValueError(f"steps ({steps}) per block exceeds block_length ({self.block_length})")
@@ -189,8 +202,9 @@ class GenerationParams:
             policy = UnmaskPolicy("fixed", steps)
         threshold = policy.value if policy.kind == "threshold" else None
         fused = self.fused_commit and not self.exact
+        post = None if self.editing_threshold is None else 16 if self.max_post_steps is None else self.max_post_steps
         return replace(self, steps=steps, threshold=threshold, policy=policy, sub_block_length=sub, fused_commit=fused,
-                       is_resolved=True)
+                       max_post_steps=post, is_resolved=True)
 
     def _resolve_diffusion(self, whole_canvas_reference: bool) -> "GenerationParams":
         """Defaults: the dual cache, and the 0.9 confidence threshold unless `steps` or `factor`
@@ -239,24 +253,3 @@ def knob_applies(name: str, family: str, kind: str) -> bool:
     """Whether a family (of a kind) uses the knob `name`."""
     applies = GenerationParams.__dataclass_fields__[name].metadata.get("families")
     return not applies or family in applies or kind in applies
-
-
-def _check_int(name: str, value, low: int | None, high: int | None = None, rule: str | None = None) -> None:
-    if value is None:
-        return
-    bad = not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low) or \
-        (high is not None and value > high)
-    if bad:
-        rule = rule or ("an integer" if low is None else "a positive integer" if low == 1 else f"an integer >= {low}")
-        raise ValueError(f"{name} must be {rule}, got {value!r}")
-
-
-def _check_number(name: str, value, low: float, high: float | None = None, exclusive_low: bool = False) -> None:
-    if value is None:
-        return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if (value <= low if exclusive_low else value < low) or (high is not None and value > high):
-        low_text = f"> {low}" if exclusive_low else f">= {low}"
-        raise ValueError(f"{name} must be {low_text}" + (f" and <= {high}" if high is not None else "") +
-                         f", got {value}")
