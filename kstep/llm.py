@@ -53,7 +53,8 @@ class LLM:
         self.family = FAMILIES[self.cfg.family]
         self.tokenizer: Tokenizer | None = load_tokenizer(self.path)
         self.runner = ModelRunner(self.model)
-        self.pass_costs = PassCosts()  # this device's measured pass costs, for time budgets (budget.py)
+        experts = None if self.cfg.moe is None else self.cfg.moe.expected_experts
+        self.pass_costs = PassCosts(experts=experts)  # this device's measured pass costs, for time budgets (budget.py)
         eot = self.tokenizer.end_of_turn_ids() if self.tokenizer else []
         self.stop_ids = list(dict.fromkeys([*self.cfg.eos_token_ids, *eot]))
         self.pad_id = next(i for i in (self.cfg.pad_token_id, *self.stop_ids, 0) if i is not None
@@ -76,7 +77,8 @@ class LLM:
         `alg: origin`) are not taken: kstep's defaults decide those."""
         path = self.path / "generation_config.json"
         raw = read_json(path) if path.is_file() else {}
-        names = {"eps": "eps", "alg_temp": "alg_temp", "threshold": "threshold", "small_block_size": "sub_block_length"}
+        names = {"eps": "eps", "alg_temp": "alg_temp", "threshold": "threshold", "small_block_size": "sub_block_length",
+                 "editing_threshold": "editing_threshold", "max_post_steps": "max_post_steps"}
         return {knob: raw[key] for key, knob in names.items() if raw.get(key) is not None
                 and knob_applies(knob, self.cfg.family, self.family.kind)}
 
@@ -109,7 +111,8 @@ class LLM:
         """`params` resolved for this model's family (raises ValueError naming a bad knob)."""
         checkpoint = dict(self.checkpoint_defaults)
         if params.exact or params.steps is not None or params.factor is not None:
-            checkpoint.pop("threshold", None)  # the request chose another unmask policy
+            for knob in ("threshold", "editing_threshold", "max_post_steps"):
+                checkpoint.pop(knob, None)  # the request chose another unmask policy
         block = params.block_length or self.cfg.block_size
         if block and block % checkpoint.get("sub_block_length", block):
             checkpoint.pop("sub_block_length")  # the request's block is not made of the checkpoint's sub-blocks

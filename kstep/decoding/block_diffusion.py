@@ -1,39 +1,32 @@
-"""Block-diffusion decoding (BD3-LM, arXiv:2503.09573): Fast-dLLM v2 (NVlabs/Fast-dLLM `v2/`,
-the checkpoint's `modeling.py` `generate`) and SDAR (JetAstra/SDAR `generate.py`, the evaluation's
-`huggingface_bd3.py`).
+"""Block-diffusion decoding (BD3-LM, arXiv:2503.09573): Fast-dLLM v2 (NVlabs/Fast-dLLM `v2/`, the
+checkpoint's `modeling.py` `generate`), SDAR (JetAstra/SDAR `generate.py`, `huggingface_bd3.py`) and
+LLaDA2 (inclusionAI, the checkpoint's `generate`; LLaDA2.1's token editing in token_editing.py).
 
 Attention is bidirectional inside a block of `block_length` positions (aligned to position 0) and
 causal across blocks. The prompt's whole blocks run once (a block-causal prefill into the cache);
-its tail shares the first block. A block is denoised pass by pass, each pass running the block
-against the cache of the blocks before it; once it has no masks, one more pass over its final
-tokens writes its keys/values into the cache (the commit), exact from then on: no later pass
-changes them, so a finished block is never recomputed.
+its tail shares the first block. A block is denoised pass by pass against the cache of the blocks
+before it; once it has no masks, a pass over its final tokens writes its keys/values (the commit),
+exact from then on: a finished block is never recomputed.
 
-Each pass unmasks, among the masks of the current block (Fast-dLLM v2: of its current sub-block of
-`sub_block_length`), every one whose confidence is above the threshold, and at least the schedule's
-count (1 without `steps`; SDAR's `low_confidence_dynamic`; with threshold 1 one token per pass), or
-with `steps` and no threshold exactly the schedule's count (SDAR's static rule: `steps` passes per
-block, the block's tokens split evenly, the remainder first).
+Each pass unmasks, among the masks of the current block (Fast-dLLM v2: of its current sub-block),
+every one whose confidence is above the threshold (strict, as the references), and at least the
+schedule's count (1 without `steps`; SDAR's `low_confidence_dynamic`, LLaDA2's rule), or with
+`steps` and no threshold exactly the schedule's count (SDAR's static rule: the block's tokens split
+evenly over `steps` passes, the remainder first; LLaDA2 caps steps at max_tokens as its generate).
 
 Fast-dLLM v2 keeps its AR parent's logit shift: the token at j is read from the output at j - 1, and
-a block's first token is the argmax of the commit pass's last output (an AR step). SDAR reads the
-token at j from the output at j. A row stops once a stop token has nothing masked before it (the
-references finish or store that block first; the tokens cannot differ, only the passes).
+a block's first token is the argmax of the commit pass's last output. SDAR and LLaDA2 read the token
+at j from the output at j. A row stops once a stop token has nothing masked before it (the
+references finish that block first: the tokens cannot differ, only the passes).
 
-`fused_commit` (kstep's default; off with `exact`) drops the commit's own pass: a row whose block is
-finished runs [finished block; next block] in its next pass, block-causal, as the training pass's
-[clean; noisy] pairs do, so the finished block's keys are written and the next block gets its first
-denoising pass at once. SDAR's tokens do not change (the next block sees the same keys). A shifted
-model's next first token is still the finished block's last output (an AR step) but the next block's
-other positions are predicted with it masked, so Fast-dLLM v2's tokens may differ from its reference. The fused pass is a commit and a denoising
-pass; the commit's first token counts toward the pass's minimum (forcing one more token, predicted
-without the first, cost 11 points of parse rate on the block coder at threshold 0.9 for +0.04 tokens
-per pass).
-Rows of the batch that are not committing run their block and a scratch block after it (masks, never
-attended, overwritten when that block is reached).
-
-Rows of a batch keep their own blocks (prompts of different lengths end at different offsets in their
-blocks); every pass is one block per row, packed as one ragged pass.
+`fused_commit` (default; off with `exact`) drops the commit's own pass: a row whose block is
+finished runs [finished block; next block] in its next pass, block-causal like the training pass's
+[clean; noisy] pairs, so the finished block's keys are written and the next block gets its first
+denoising pass at once. Unshifted models' tokens do not change; Fast-dLLM v2's next block is
+predicted with its first token masked, so its tokens may differ from its reference. The commit's
+first token counts toward the pass's minimum. Rows not committing run their block and a scratch
+block after it (masks, never attended). Rows keep their own blocks (prompts of different lengths
+end at different offsets in their blocks); every pass is one block per row, one ragged pass.
 """
 from dataclasses import dataclass
 
@@ -42,6 +35,7 @@ import torch
 from kstep.decoding.base import DecodeBatch, Decoder, final_rows, prefix_step_output
 from kstep.decoding.sampling import constrain_outputs, sample_tokens
 from kstep.decoding.schedule import num_transfer_tokens
+from kstep.decoding.token_editing import TokenEditing
 from kstep.decoding.unmask import choose_top, confidence_rule
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
@@ -55,6 +49,7 @@ DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase
 class BlockRules:
     """What differs between the block-diffusion references."""
     is_shifted: bool          # Fast-dLLM v2: the token at j from the output at j - 1; a commit gives the next first token
+    steps_capped: bool = False  # LLaDA2: passes per block = min(steps, max_tokens), steps defaulting to the block
 
 
 class BlockDiffusionDecoder(Decoder):
@@ -84,8 +79,12 @@ class BlockDiffusionDecoder(Decoder):
         self.block_starts = self.prompt_lengths // bs * bs  # (B,) position of each row's current block
         self.phase = torch.full((B,), DENOISE, dtype=torch.long, device=device)
         self.passes_in_block = torch.zeros(B, dtype=torch.long, device=device)
-        self.schedule = None if params.steps is None else \
-            num_transfer_tokens(torch.tensor([bs]), params.steps)[0].to(device)  # (steps,)
+        self.editing = None if params.editing_threshold is None else \
+            TokenEditing(params.editing_threshold, params.max_post_steps, B, device)
+        steps = params.steps
+        if rules.steps_capped and self.editing is None:  # LLaDA2.0's generate: min(steps, gen_length)
+            steps = min(steps or bs, N)
+        self.schedule = None if steps is None else num_transfer_tokens(torch.tensor([bs]), steps)[0].to(device)
         self.rule = confidence_rule(params.remasking)
         self.needs_prefill = bool((self.prompt_lengths >= bs).any())
         # A prompt's whole blocks do not depend on what follows them (block-causal), so requests with
@@ -137,7 +136,8 @@ class BlockDiffusionDecoder(Decoder):
         block = self.canvas.gather(1, (self.pads + self.block_starts + half * bs)[:, None] + offsets)
         source = (half[:, None] * bs + offsets - int(self.rules.is_shifted)).clamp(min=0)  # (B, bs)
         read = torch.zeros(width, dtype=torch.bool, device=half.device)
-        read[source[(block == self.mask_id) & active[:, None]]] = True
+        wanted = block == self.mask_id if self.editing is None else torch.ones_like(block, dtype=torch.bool)  # edits
+        read[source[wanted & active[:, None]]] = True
         if width == bs and bool(committing.any()):  # a commit pass of its own: its last output
             read[-1] = True
         return read.nonzero().squeeze(1)
@@ -231,6 +231,11 @@ class BlockDiffusionDecoder(Decoder):
             above = confidence > p.policy.value  # strict, as both references
             chosen = torch.where((above.sum(-1) >= count)[:, None], above, chosen)
         chosen &= is_masked
+        if self.editing is not None:
+            probs = logits.float().softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)  # (B, bs)
+            positions = self.block_starts[:, None] + torch.arange(bs, device=starts.device)
+            editable = (block != self.mask_id) & (positions >= self.prompt_lengths[:, None])
+            chosen |= self.editing.edits(block, tokens, probs, block == self.mask_id, editable, rows)
         self.canvas.scatter_(1, index, torch.where(chosen, tokens, block))
         self.passes_in_block += rows
 
@@ -248,12 +253,15 @@ class BlockDiffusionDecoder(Decoder):
         token from the finished block's last output `last_logits` (B, V) when shifted)."""
         if not bool(rows.any()):
             return
+        self._next_block(rows)
+        if self.rules.is_shifted:
+            self._write_first_token(last_logits, rows, self.block_starts)
+
+    def _next_block(self, rows: torch.Tensor) -> None:
         bs = self.params.block_length
         self.block_starts = torch.where(rows, self.block_starts + bs, self.block_starts)
         self.passes_in_block = torch.where(rows, 0, self.passes_in_block)
         self.phase = torch.where(rows, DENOISE, self.phase)
-        if self.rules.is_shifted:
-            self._write_first_token(last_logits, rows, self.block_starts)
 
     def _update_phases(self) -> None:
         """Denoised blocks go to commit; a row is done once its completion is final."""
@@ -261,8 +269,11 @@ class BlockDiffusionDecoder(Decoder):
         starts = self.pads + self.block_starts
         block = self.canvas.gather(1, starts[:, None] + torch.arange(bs, device=starts.device))
         is_complete = ~(block == self.mask_id).any(-1)
-        done = self._is_final()  # a final row needs no commit: nothing after it is read
         to_commit = (self.phase == DENOISE) & is_complete
+        if self.editing is not None:  # a block ends when editing has converged, or by the cap
+            exact, to_commit = self.editing.block_ends(to_commit)
+            self._next_block(exact)  # its keys are already exact in the cache: nothing to commit
+        done = self._is_final()  # a final row needs no commit: nothing after it is read
         self.phase = torch.where(done, DONE, torch.where(to_commit, COMMIT, self.phase))
         if bool((self.phase == DONE).all()):
             self.is_finished, self.kv = True, None
@@ -270,9 +281,14 @@ class BlockDiffusionDecoder(Decoder):
     def _is_final(self) -> torch.Tensor:
         """(B,) rows whose completion can no longer change (`final_rows`; with ignore_eos, no stops)."""
         stops = self.stop_ids[:0] if self.params.ignore_eos else self.stop_ids
-        return final_rows(self.completions(), self.mask_id, stops)
+        return final_rows(self._settled(), self.mask_id, stops)
 
-    # --- results ----------------------------------------------------------------------------------
+    def _settled(self) -> torch.Tensor:
+        """The completions, with the tokens token editing may still change shown as masks."""
+        if self.editing is None:
+            return self.completions()
+        ended = self.block_starts + self.params.block_length * (self.phase == COMMIT)  # (B,)
+        return self.editing.settled(self.completions(), self.prompt_lengths, ended, self.phase == DONE, self.mask_id)
 
     def completions(self) -> torch.Tensor:
         """(B, max_tokens): each row's positions after its prompt (masks where not decided)."""
@@ -280,5 +296,5 @@ class BlockDiffusionDecoder(Decoder):
         return self.canvas[:, W:W + self.params.max_tokens]
 
     def _output(self) -> StepOutput:
-        return prefix_step_output(self, self.completions(), self.lengths, self.mask_id, self.stop_ids, self.row_nfe,
-                                  self.include_canvas, finished=self.phase == DONE)
+        return prefix_step_output(self, self._settled(), self.lengths, self.mask_id, self.stop_ids, self.row_nfe,
+                                  self.include_canvas, finished=self.phase == DONE, canvas=self.completions())
