@@ -90,14 +90,26 @@ def random_config(family: str, vocab_size: int, d_model: int = 64, n_layers: int
         pad_token_id=SPECIAL_TOKENS.index(PAD), eos_token_ids=(SPECIAL_TOKENS.index(EOS),))
 
 
-def random_parameters(model: Transformer, seed: int):
-    """(name, float32 tensor) for each parameter of a model built on the meta device, drawn in
-    order from one seeded generator: matrices normal (std 0.2 up to 256 inputs, then scaled down
-    as 1/sqrt(inputs), so large shapes keep sane activations), the embedding std 0.5, vectors
-    (norms, biases) uniform in [0.8, 1.2] (not exactly one, so a wrong norm is caught)."""
-    generator = torch.Generator().manual_seed(seed)
+SMALL_MODEL = 64_000_000  # parameters: below this a model is built in memory (the values tests have always had)
+
+
+def random_parameters(cfg: ModelConfig, seed: int):
+    """(name, float32 tensor) for each parameter, in order: matrices normal (std 0.2 up to 256 inputs,
+    then scaled down as 1/sqrt(inputs), so large shapes keep sane activations), the embedding std
+    0.5, vectors (norms, biases) uniform in [0.8, 1.2] (not exactly one, so a wrong norm is caught).
+    A small model is built and initialised from the global generator seeded with `seed` (as kstep
+    always wrote them, so the tiny test checkpoints keep their weights); a large one is drawn one
+    parameter at a time from its own generator, never held whole."""
+    small = cfg.num_params <= SMALL_MODEL
+    if small:
+        torch.manual_seed(seed)
+        model, generator = Transformer(cfg), None  # its own init draws from the global generator first
+    else:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        generator = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        value = torch.empty(p.shape, dtype=torch.float32)
+        value = p.data.float() if small else torch.empty(p.shape, dtype=torch.float32)
         if p.dim() == 1:
             value.uniform_(0.8, 1.2, generator=generator)
         else:
@@ -109,8 +121,6 @@ def random_parameters(model: Transformer, seed: int):
 
 def write_weights(cfg: ModelConfig, out: Path, seed: int, dtype: torch.dtype, shard_bytes: int) -> int:
     """Random weights in `cfg`'s checkpoint layout, sharded past `shard_bytes`; returns the bytes."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
     names = FAMILIES[cfg.family].layout.checkpoint_names(cfg)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = total = 0
@@ -122,7 +132,7 @@ def write_weights(cfg: ModelConfig, out: Path, seed: int, dtype: torch.dtype, sh
         files.append(name)
 
     weight_map = {}
-    for tensor_name, tensor in assemble_tensors(random_parameters(model, seed), names, dtype):
+    for tensor_name, tensor in assemble_tensors(random_parameters(cfg, seed), names, dtype):
         nbytes = tensor.numel() * tensor.element_size()
         if size and size + nbytes > shard_bytes:
             flush()

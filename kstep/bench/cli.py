@@ -1,4 +1,4 @@
-"""`kstep bench decode|compare|quant|ar|serve|moe`: the benchmarks' flags and their checks. Every
+"""`kstep bench decode|compare|quant|ar|serve|moe|load`: the benchmarks' flags and their checks. Every
 benchmark reports ratios against a baseline measured in the same run."""
 import argparse
 import json
@@ -15,7 +15,7 @@ def _progress(line: str) -> None:
 def add_bench(sub) -> None:
     bench = add_command(sub, "bench", "benchmarks (ratios against a baseline measured in the same run)", "KIND")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND", prog=bench.prog)
-    for add in (_add_decode, _add_compare, _add_quant, _add_ar, _add_serve, _add_moe):
+    for add in (_add_decode, _add_compare, _add_quant, _add_ar, _add_serve, _add_moe, _add_load):
         add(kinds)
 
 
@@ -273,4 +273,25 @@ def run_moe(args: argparse.Namespace) -> int:
     (out / "bench_moe.json").write_text(json.dumps({"threads": torch.get_num_threads(), "layers": layer_rows,
                                                    "floors": floors}, indent=2) + "\n")
     (out / "bench_moe.md").write_text(report + "\n")
+    return 0
+
+
+def _add_load(kinds) -> None:
+    load = add_command(kinds, "load", "peak memory of loading a checkpoint, against its weights")
+    load.add_argument("--model", required=True, help="checkpoint directory or bundled name")
+    add_device_flags(load)
+    load.add_argument("--out", default=None, help="also write the figures as JSON here")
+    load.set_defaults(run=run_load)
+
+
+def run_load(args: argparse.Namespace) -> int:
+    from kstep.bench.memory import load_footprint
+    row = load_footprint(args.model, args.device, args.dtype)
+    gib = 1024 ** 3
+    print(f"{row['model']}: {row['params'] / 1e9:.2f} B parameters, weights {row['weights_bytes'] / gib:.2f} GiB "
+          f"({row['dtype']}; checkpoint files {row['checkpoint_bytes'] / gib:.2f} GiB), peak while loading "
+          f"{row['peak_bytes'] / gib:.2f} GiB = {row['peak_over_weights']:.2f}x the weights")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(row, indent=2) + "\n")
     return 0

@@ -9,10 +9,11 @@ before it; once it has no masks, a pass over its final tokens writes its keys/va
 exact from then on: a finished block is never recomputed.
 
 Each pass unmasks, among the masks of the current block (Fast-dLLM v2: of its current sub-block),
-every one whose confidence is above the threshold (strict, as the references), and at least the
-schedule's count (1 without `steps`; SDAR's `low_confidence_dynamic`, LLaDA2's rule), or with
-`steps` and no threshold exactly the schedule's count (SDAR's static rule: the block's tokens split
-evenly over `steps` passes, the remainder first; LLaDA2 caps steps at max_tokens as its generate).
+every one whose confidence (the sampled token's probability under the tempered, filtered
+distribution it came from, as the references score it) is above the threshold (strict), and at
+least the schedule's count (1 without `steps`; SDAR's `low_confidence_dynamic`, LLaDA2's rule), or with
+`steps` and no threshold exactly the schedule's count (SDAR's static rule: the block split evenly
+over `steps` passes, the remainder first; LLaDA2 caps steps at max_tokens as its generate).
 
 Fast-dLLM v2 keeps its AR parent's logit shift: the token at j is read from the output at j - 1, and
 a block's first token is the argmax of the commit pass's last output. SDAR and LLaDA2 read the token
@@ -25,18 +26,18 @@ finished runs [finished block; next block] in its next pass, block-causal like t
 denoising pass at once. Unshifted models' tokens do not change; Fast-dLLM v2's next block is
 predicted with its first token masked, so its tokens may differ from its reference. The commit's
 first token counts toward the pass's minimum. Rows not committing run their block and a scratch
-block after it (masks, never attended). Rows keep their own blocks (prompts of different lengths
-end at different offsets in their blocks); every pass is one block per row, one ragged pass.
+block after it (masks, never attended). Rows keep their own blocks; every pass is one ragged pass.
 """
 from dataclasses import dataclass
 
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, final_rows, prefix_step_output
-from kstep.decoding.sampling import constrain_outputs, sample_tokens
+from kstep.decoding.block_unmask import unmask_block
+from kstep.decoding.sampling import constrain_outputs
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.token_editing import TokenEditing
-from kstep.decoding.unmask import choose_top, confidence_rule
+from kstep.decoding.unmask import confidence_rule
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner
@@ -87,6 +88,9 @@ class BlockDiffusionDecoder(Decoder):
         self.schedule = None if steps is None else num_transfer_tokens(torch.tensor([bs]), steps)[0].to(device)
         self.rule = confidence_rule(params.remasking)
         self.needs_prefill = bool((self.prompt_lengths >= bs).any())
+        # An unshifted model's prefill also runs every row's first block (block-causal: the prompt's
+        # blocks get the same keys), so it is that block's first denoising pass too: one pass fewer.
+        self.fused_prefill = self.fused and not rules.is_shifted
         # A prompt's whole blocks do not depend on what follows them (block-causal), so requests with
         # the same prompt share them like an AR prefix: whole cache blocks that are whole model blocks,
         # one prompt per decoder (unpadded, every row the same).
@@ -113,7 +117,14 @@ class BlockDiffusionDecoder(Decoder):
                 whole = W // bs * bs
                 start = self.prefix_cache.load(self.canvas[0, :whole].tolist(), self.kv, whole - bs)
                 self.num_cached_tokens = start
-            return [self.runner.block_prefill_pass(self.canvas[:, :W], key_mask, bs, self.kv, start)]
+            if not self.fused_prefill:
+                return [self.runner.block_prefill_pass(self.canvas[:, :W], key_mask, bs, self.kv, start)]
+            # slots [0, W + bs) hold every row's first block; columns [W - bs, W + bs) predict them
+            end = W + bs
+            key_mask = None if bool(self.real[:, :end].all()) else self.real[:, :end]
+            prefill = self.runner.block_prefill_pass(self.canvas[:, :end], key_mask, bs, self.kv, start)
+            prefill.logits_from, prefill.logits_to = W - bs - start, end - start  # the prefix cache keeps a block
+            return [prefill]
         bs = self.params.block_length
         width = 2 * bs if self._fuses_commit() else bs
         starts = self.pads + self.block_starts  # (B,) slot of each row's block
@@ -151,6 +162,12 @@ class BlockDiffusionDecoder(Decoder):
         self.nfe += 1
         if self.needs_prefill:
             self._after_prefill(logits)
+            if self.fused_prefill:  # each row's block sits at its own offset in the window of 2 * bs
+                active, bs = self.phase != DONE, self.params.block_length
+                offset = self.pads + self.block_starts - (self.prompt_width - bs)  # (B,) in [1, bs]
+                source = offset[:, None] + torch.arange(bs, device=offset.device)
+                self.row_nfe += active & ~(self.prompt_lengths >= bs)
+                self._denoise(logits.gather(1, source[:, :, None].expand(-1, -1, logits.shape[-1])), active)
         else:
             active = self.phase != DONE
             self.row_nfe += active
@@ -213,40 +230,18 @@ class BlockDiffusionDecoder(Decoder):
         starts = self.pads + self.block_starts
         index = starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
         block = self.canvas.gather(1, index)
-        output_index = self.block_starts[:, None] + torch.arange(bs, device=starts.device) - self.prompt_lengths[:, None]
-        logits = constrain_outputs(logits, output_index, self.stop_ids, p.min_tokens, self.first_allowed)
-        proposal = logits.clone()
-        proposal[..., self.mask_id] = float("-inf")  # a masked position must become a token
-        tokens = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, bs)
-        confidence = self.rule(logits, tokens, self.generator).float()
-        is_masked = (block == self.mask_id) & self._open_columns(block) & rows[:, None]
-        confidence = confidence.masked_fill(~is_masked, float("-inf"))
+        positions = self.block_starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
+        logits = constrain_outputs(logits, positions - self.prompt_lengths[:, None], self.stop_ids, p.min_tokens,
+                                   self.first_allowed)
         count = torch.ones_like(self.passes_in_block) if self.schedule is None else \
             self.schedule[self.passes_in_block.clamp(max=len(self.schedule) - 1)]
         if already is not None:
             count = (count - already).clamp(min=0)
-        count = torch.minimum(count, is_masked.sum(-1))
-        chosen = choose_top(confidence, count, bs)
-        if p.policy.kind == "threshold":
-            above = confidence > p.policy.value  # strict, as both references
-            chosen = torch.where((above.sum(-1) >= count)[:, None], above, chosen)
-        chosen &= is_masked
-        if self.editing is not None:
-            probs = logits.float().softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)  # (B, bs)
-            positions = self.block_starts[:, None] + torch.arange(bs, device=starts.device)
-            editable = (block != self.mask_id) & (positions >= self.prompt_lengths[:, None])
-            chosen |= self.editing.edits(block, tokens, probs, block == self.mask_id, editable, rows)
+        editable = (block != self.mask_id) & (positions >= self.prompt_lengths[:, None])  # token editing's
+        tokens, chosen = unmask_block(block, logits, rows, count, p, self.mask_id, self.rule, self.generator,
+                                      self.editing, editable)
         self.canvas.scatter_(1, index, torch.where(chosen, tokens, block))
         self.passes_in_block += rows
-
-    def _open_columns(self, block: torch.Tensor) -> torch.Tensor:
-        """(B, bs) the columns a pass may unmask: the first sub-block that still has a mask."""
-        sub = self.params.sub_block_length
-        if sub >= block.shape[1]:
-            return torch.ones_like(block, dtype=torch.bool)
-        has_mask = (block == self.mask_id).view(block.shape[0], -1, sub).any(-1)  # (B, num_sub)
-        first = torch.where(has_mask.any(-1), has_mask.float().argmax(-1), 0)  # (B,)
-        return (torch.arange(block.shape[1], device=block.device) // sub) == first[:, None]
 
     def _commit(self, last_logits: torch.Tensor, rows: torch.Tensor) -> None:
         """This pass wrote the finished block's exact keys/values; the next block begins (its first
@@ -273,8 +268,8 @@ class BlockDiffusionDecoder(Decoder):
         if self.editing is not None:  # a block ends when editing has converged, or by the cap
             exact, to_commit = self.editing.block_ends(to_commit)
             self._next_block(exact)  # its keys are already exact in the cache: nothing to commit
-        done = self._is_final()  # a final row needs no commit: nothing after it is read
-        self.phase = torch.where(done, DONE, torch.where(to_commit, COMMIT, self.phase))
+        self.phase = torch.where(to_commit, COMMIT, self.phase)
+        self.phase = torch.where(self._is_final(), DONE, self.phase)  # a final row needs no commit
         if bool((self.phase == DONE).all()):
             self.is_finished, self.kv = True, None
 
