@@ -198,3 +198,26 @@ def test_llada_moe_padded_batch_equals_single_runs(lladamoe_path):
     for prompt, got in zip(prompts, llm.generate(prompts, max_tokens=16), strict=True):
         alone = llm.generate(prompt, max_tokens=16)[0]
         assert got.token_ids == alone.token_ids and got.nfe == alone.nfe
+
+
+def test_prefix_cache_shares_llada2_prompt_blocks_with_the_fused_prefill(llada2):
+    """Whole prompt blocks of 32 are shared across requests (block-causal keys do not depend on what
+    follows); the prefill that also runs the first block loads them, with the same output."""
+    from kstep.engine.engine import Engine
+    from kstep.engine.request import Request
+    llm, _ = llada2
+    header = prompt_ids(70, 9)
+    prompts = [header + prompt_ids(n, n) for n in (3, 7, 30)]
+
+    def run(engine):
+        requests = [Request([p], kstep.GenerationParams(max_tokens=12, threshold=0.5)) for p in prompts]
+        for r in requests:
+            engine.add_request(r)
+            while engine.has_work():
+                engine.step()
+        return [r.output_ids[0] for r in requests]
+
+    plain = run(Engine(llm))
+    cached = Engine(llm, prefix_cache_bytes=64 << 20)
+    assert run(cached) == plain
+    assert cached.prefix_cache.hit_tokens >= 2 * 32

@@ -1,4 +1,5 @@
-"""`kstep bench decode|compare|quant|ar|serve|moe|load`: the benchmarks' flags and their checks. Every
+"""`kstep bench decode|compare|quant|ar|serve` (and moe|load|passes: sizes_cli.py): the benchmarks'
+flags and their checks. Every
 benchmark reports ratios against a baseline measured in the same run."""
 import argparse
 import json
@@ -15,7 +16,8 @@ def _progress(line: str) -> None:
 def add_bench(sub) -> None:
     bench = add_command(sub, "bench", "benchmarks (ratios against a baseline measured in the same run)", "KIND")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND", prog=bench.prog)
-    for add in (_add_decode, _add_compare, _add_quant, _add_ar, _add_serve, _add_moe, _add_load):
+    from kstep.bench.sizes_cli import add_load, add_moe, add_passes
+    for add in (_add_decode, _add_compare, _add_quant, _add_ar, _add_serve, add_moe, add_load, add_passes):
         add(kinds)
 
 
@@ -230,68 +232,3 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     print(format_table(result))
     return 0
 
-
-def _add_moe(kinds) -> None:
-    moe = add_command(kinds, "moe", "the sparse MoE layer vs the same FLOPs done densely; MoE floors on accelerators")
-    moe.add_argument("--shapes", default="llada2-2b:llada2_moe,lladamoe-7b:llada_moe,llada2-mini:llada2_moe",
-                     help="SHAPE:FAMILY,... (kstep/shapes.py; `tiny` = the test models' sizes); one layer each")
-    moe.add_argument("--tokens", default="1,8,32,256", help="tokens per pass")
-    moe.add_argument("--dtypes", default="float32,bfloat16")
-    moe.add_argument("--repeats", type=int, default=7)
-    moe.add_argument("--gpus", default="a100-80gb,h100-sxm,h200", help="data-sheet accelerators for the floors")
-    moe.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    moe.add_argument("--out", default="out/bench")
-    moe.set_defaults(run=run_moe)
-
-
-def run_moe(args: argparse.Namespace) -> int:
-    import torch
-
-    from kstep.bench.cost_model import ACCELERATORS
-    from kstep.bench.moe import floor_table, format_report, run_layer_bench
-    from kstep.llm import resolve_dtype
-    from kstep.registry import FAMILIES
-    from kstep.shapes import SHAPES
-    shapes = [tuple(item.split(":")) for item in args.shapes.split(",") if item]
-    for item in shapes:
-        if len(item) != 2 or (item[0] not in SHAPES and item[0] != "tiny") or item[1] not in FAMILIES \
-                or FAMILIES[item[1]].layout.__name__.split(".")[-1] not in ("llada2_moe", "llada_moe"):
-            raise ValueError(f"--shapes: {':'.join(item)!r} is not SHAPE:FAMILY with a known shape and an MoE family")
-    gpus = [g for g in args.gpus.split(",") if g]
-    if any(g not in ACCELERATORS for g in gpus):
-        raise ValueError(f"--gpus: choose from {', '.join(ACCELERATORS)}")
-    check_positive(args, "repeats")
-    set_threads(args.threads)
-    dtypes = [resolve_dtype(d) for d in args.dtypes.split(",")]
-    tokens = positive_ints("--tokens", args.tokens)
-    layer_rows = run_layer_bench(shapes, tokens, dtypes, args.repeats, progress=_progress)
-    floors = floor_table(gpus, [4, 8, 16, 32])
-    report = format_report(layer_rows, floors)
-    print(report)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_moe.json").write_text(json.dumps({"threads": torch.get_num_threads(), "layers": layer_rows,
-                                                   "floors": floors}, indent=2) + "\n")
-    (out / "bench_moe.md").write_text(report + "\n")
-    return 0
-
-
-def _add_load(kinds) -> None:
-    load = add_command(kinds, "load", "peak memory of loading a checkpoint, against its weights")
-    load.add_argument("--model", required=True, help="checkpoint directory or bundled name")
-    add_device_flags(load)
-    load.add_argument("--out", default=None, help="also write the figures as JSON here")
-    load.set_defaults(run=run_load)
-
-
-def run_load(args: argparse.Namespace) -> int:
-    from kstep.bench.memory import load_footprint
-    row = load_footprint(args.model, args.device, args.dtype)
-    gib = 1024 ** 3
-    print(f"{row['model']}: {row['params'] / 1e9:.2f} B parameters, weights {row['weights_bytes'] / gib:.2f} GiB "
-          f"({row['dtype']}; checkpoint files {row['checkpoint_bytes'] / gib:.2f} GiB), peak while loading "
-          f"{row['peak_bytes'] / gib:.2f} GiB = {row['peak_over_weights']:.2f}x the weights")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(row, indent=2) + "\n")
-    return 0
