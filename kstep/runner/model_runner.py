@@ -106,18 +106,25 @@ class ModelRunner:
 
     def ragged_causal_pass(self, ids: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
                            real: torch.Tensor, kv: KVCache, is_causal: bool = True, kind: str = "verify",
-                           columns: torch.Tensor | None = None, block_size: int | None = None) -> ForwardPass:
+                           columns: torch.Tensor | None = None, block_size: int | None = None,
+                           attend_until: torch.Tensor | None = None,
+                           write_slots: torch.Tensor | None = None) -> ForwardPass:
         """A pass where each row b writes its T tokens at its own slots [starts[b], starts[b]+T) and
         attends to its cached slots before starts[b] that `real` (B, S_max) marks, plus this pass's
         tokens: up to itself (`is_causal`: speculative verification), up to the end of its own run of
         `block_size` (block-causal: a finished block and the next one of a block-diffusion model), or
-        all of them (one block). Logits for the T positions (only `columns` of them when given)."""
+        all of them (one block). Logits for the T positions (only `columns` of them when given).
+        `attend_until` (B,): the queries also see the cached slots up to there (Fast-dLLM v2's block
+        cache: a sub-block against its whole block's keys); `write_slots` (B, T): where each token's
+        keys go instead (a slot never attended, for tokens whose cached keys must stay)."""
         B, T = ids.shape
         offsets = torch.arange(T, device=self.device)
         slots = starts[:, None] + offsets  # (B, T)
-        attend_len = int(slots.max()) + 1
+        attend_len = int(slots.max()) + 1 if attend_until is None else int(attend_until.max())
         key = torch.arange(attend_len, device=self.device)  # (S,)
-        cached = real[:, :attend_len] & (key < starts[:, None])  # (B, S)
+        cached = real[:, :attend_len] & (key < (starts if attend_until is None else attend_until)[:, None])  # (B, S)
+        if write_slots is not None:
+            slots = write_slots
         if is_causal:
             last = slots[:, :, None]  # (B, T, 1)
         elif block_size is not None:
