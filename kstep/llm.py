@@ -17,7 +17,7 @@ from kstep.decoding.drafters import NGRAM
 from kstep.decoding.loop import decode_alone
 from kstep.layers.quantized import quantize_model
 from kstep.outputs import GenerationResult
-from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, GenerationParams, knob_applies
+from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, UNIFORM_DIFFUSION, GenerationParams, knob_applies
 from kstep.decoding.base import DecodeBatch, Decoder
 from kstep.registry import FAMILIES, DecoderResources
 from kstep.runner.prefix_cache import PrefixCache
@@ -76,6 +76,8 @@ class LLM:
         `alg: origin`) are not taken: kstep's defaults decide those."""
         path = self.path / "generation_config.json"
         raw = read_json(path) if path.is_file() else {}
+        if hasattr(self.family.layout, "generation_defaults"):  # knobs under the checkpoint's own names
+            return self.family.layout.generation_defaults(raw)
         names = {"eps": "eps", "alg_temp": "alg_temp", "threshold": "threshold", "small_block_size": "sub_block_length"}
         return {knob: raw[key] for key, knob in names.items() if raw.get(key) is not None
                 and knob_applies(knob, self.cfg.family, self.family.kind)}
@@ -148,6 +150,10 @@ class LLM:
         bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"{what} token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        image_id = getattr(self.cfg, "image_token_id", None)
+        if image_id is not None and image_id in ids:
+            raise ValueError(f"{what} contains the image token id {image_id}: {self.cfg.family} runs text only "
+                             "(image inputs are not supported)")
         if self.cfg.mask_token_id is not None and self.cfg.mask_token_id in ids:
             raise ValueError(f"{what} contains the mask token id {self.cfg.mask_token_id}, "
                              "which only the sampler may place")
@@ -179,6 +185,9 @@ class LLM:
             extra, why = params.num_draft_tokens + 1, " + num_draft_tokens + 1"
         elif self.family.kind == BLOCK_DIFFUSION:  # the last block may end up to a block past max_tokens
             extra, why = params.block_length, f" + block_length ({params.block_length})"
+        elif self.family.kind == UNIFORM_DIFFUSION:  # whole canvases
+            extra, why = -params.max_tokens % self.cfg.canvas_length, f" rounded up to whole canvases of " \
+                f"{self.cfg.canvas_length}"
         if longest + params.max_tokens + extra > self.cfg.max_positions:
             what = f"max_tokens ({params.max_tokens})" + why
             raise ValueError(f"prompt ({longest} tokens) + {what} exceeds the model's context of "

@@ -9,6 +9,8 @@ file in models/ and a decoder in decoding/ (or a reused one).
     sdar     sdar.py            block_causal    block-diffusion block_diffusion.BlockDiffusionDecoder
     llama    llama.py           causal          autoregressive  autoregressive (speculative with a draft)
     qwen2    llama.py           causal          autoregressive  autoregressive (speculative with a draft)
+    diffusion_gemma  diffusion_gemma.py  two_mode  uniform-diffusion  uniform_diffusion.UniformDiffusionDecoder
+                     (its own network: diffusion_gemma_model.py)
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,9 +22,11 @@ from kstep.decoding.block_diffusion import BlockDiffusionDecoder, BlockRules
 from kstep.decoding.dream import DreamDecoder
 from kstep.decoding.masked_diffusion import DiffusionDecoder
 from kstep.decoding.speculative import SpeculativeDecoder
-from kstep.models import dream, fast_dllm_v2, llada, llama, sdar
+from kstep.decoding.uniform_diffusion import UniformDiffusionDecoder
+from kstep.models import diffusion_gemma, dream, fast_dllm_v2, llada, llama, sdar
+from kstep.models.diffusion_gemma_model import DiffusionGemma
 from kstep.models.config import ModelConfig
-from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, GenerationParams
+from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, UNIFORM_DIFFUSION, GenerationParams
 from kstep.runner.model_runner import ModelRunner
 from kstep.runner.prefix_cache import PrefixCache
 
@@ -56,6 +60,7 @@ class Family:
     architectures: tuple[str, ...]   # config.json `architectures` that select it
     model_types: tuple[str, ...]     # config.json `model_type` that selects it
     sub_block_length: int | None = None  # block diffusion: unmask inside sub-blocks of this size (Fast-dLLM v2)
+    network: type | None = None      # its own nn.Module (None: models/transformer.py's Transformer)
 
     def parse_config(self, raw: dict) -> ModelConfig:
         return self.layout.parse_config(raw, self.name, self.attention)
@@ -91,6 +96,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            ("SDARForCausalLM",), ("sdar",)),
     Family("llama", llama, "causal", AUTOREGRESSIVE, autoregressive_decoder, ("LlamaForCausalLM",), ("llama",)),
     Family("qwen2", llama, "causal", AUTOREGRESSIVE, autoregressive_decoder, ("Qwen2ForCausalLM",), ("qwen2",)),
+    Family("diffusion_gemma", diffusion_gemma, "two_mode", UNIFORM_DIFFUSION, _diffusion(UniformDiffusionDecoder),
+           ("DiffusionGemmaForBlockDiffusion",), ("diffusion_gemma",), network=DiffusionGemma),
 )}
 
 
@@ -107,4 +114,4 @@ def family_for(raw: dict) -> Family:
                      f" (supported: {', '.join(known)})")
 
 
-__all__ = ["AUTOREGRESSIVE", "BLOCK_DIFFUSION", "DIFFUSION", "FAMILIES", "DecoderResources", "Family", "family_for"]
+__all__ = ["AUTOREGRESSIVE", "BLOCK_DIFFUSION", "DIFFUSION", "UNIFORM_DIFFUSION", "FAMILIES", "DecoderResources", "Family", "family_for"]
