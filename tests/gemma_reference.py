@@ -10,12 +10,13 @@ so that a wrong mapping shows."""
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from kstep.random_checkpoint import CHAT_TEMPLATE, TOKENIZER_TEXT
 from kstep.train.bpe import save_tokenizer, train_byte_level_bpe
 
-transformers = __import__("pytest").importorskip("transformers")
+pytest.importorskip("transformers")
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 from transformers.generation import LogitsProcessorList, TopKLogitsWarper  # noqa: E402
@@ -80,13 +81,12 @@ def hf_generate(model, prompts: torch.Tensor, seed: int, max_new_tokens: int, to
     finally:
         hook.remove()
         encoder_hook.remove()
-    per_canvas, run = [], None
-    for step in steps:
-        if step == 0:
-            run = 0
-            per_canvas.append(run)
-        else:
+    per_canvas: list[int] = []  # the encoder runs once per canvas, before its decoder passes
+    for is_decoder in steps:
+        if is_decoder:
             per_canvas[-1] += 1
+        else:
+            per_canvas.append(0)
     return out.sequences[:, prompts.shape[1]:], out.tokens_per_forward, per_canvas
 
 
