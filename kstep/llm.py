@@ -23,6 +23,7 @@ from kstep.registry import FAMILIES, DecoderResources
 from kstep.runner.prefix_cache import PrefixCache
 from kstep.runner.model_runner import ModelRunner
 from kstep.tokenizer import Tokenizer, load_tokenizer
+from kstep.uniform_budget import plan_uniform
 from kstep.weights import load_model, read_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -225,6 +226,9 @@ class LLM:
         """The decoding that fits params.time_budget (budget.py), from this model's pass costs here;
         `load`: tokens per step of the batch the request joins (the server)."""
         self.calibrate_pass_costs()
+        if self.family.kind == UNIFORM_DIFFUSION:
+            return plan_uniform(self.pass_costs, params, prompt_len, self.cfg.canvas_length, params.time_budget,
+                                self.resolve, load)
         return plan(self.pass_costs, self.family.kind, params, prompt_len, suffix_len, params.time_budget,
                     self.resolve, load)
 
