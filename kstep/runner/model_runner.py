@@ -173,7 +173,8 @@ class ModelRunner:
         # One LM-head matmul for every sequence: the head is the largest weight of a small model.
         logits = self.model.logits(torch.cat([w.reshape(-1, w.shape[-1]) for w in wanted]))  # (sum b*t, V)
         sizes = [w.shape[0] * w.shape[1] for w in wanted]
-        return [chunk.view(w.shape[0], w.shape[1], -1) for chunk, w in zip(logits.split(sizes), wanted)]
+        return [chunk.view(w.shape[0], w.shape[1], logits.shape[-1])  # (a pass may want no logits)
+                for chunk, w in zip(logits.split(sizes), wanted)]
 
     def logits(self, forward_pass: ForwardPass) -> torch.Tensor:
         """One pass alone."""
