@@ -205,3 +205,45 @@ def test_config_and_knob_errors(gemma, llada_path):
     resolved = llm.resolve(kstep.GenerationParams())
     assert (resolved.max_denoising_steps, resolved.entropy_bound, resolved.t_min, resolved.t_max,
             resolved.stability_threshold, resolved.confidence_threshold) == (48, 0.1, 0.4, 0.8, 1, 0.005)
+
+
+def test_left_padded_rows_equal_themselves_alone(peaky):
+    """A batch of prompts of different lengths (left-padded, positions counting real tokens): each
+    row's encoder and decoder passes give its logits alone, sliding window included."""
+    llm, _ = peaky
+    m, V = llm.model, llm.cfg.vocab_size
+    short, long = PROMPTS[0, 6:], PROMPTS[1]  # 5 and 11 tokens
+    canvas = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(4))
+    batch = torch.stack([torch.cat([torch.zeros(6, dtype=torch.long), short]), long])
+    real = torch.ones(2, 19, dtype=torch.bool)
+    real[0, :6] = False
+    positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+    kv = m.allocate_kv(2, 19)
+    with torch.inference_mode():
+        m.hidden_states(batch, positions[:, :11], kv, 0, key_mask=real[:, :11])
+        got = m.logits(m.hidden_states(canvas, positions[:, 11:], kv, 11, mode=DECODER, key_mask=real))
+    torch.testing.assert_close(got[0], kstep_forward(llm, short[None], [canvas[:1]])[0], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got[1], kstep_forward(llm, long[None], [canvas[1:]])[0], atol=1e-4, rtol=1e-5)
+
+
+def test_config_forms_transformers_accepts(gemma_path):
+    import json
+    from kstep.models.diffusion_gemma import parse_config
+    raw = json.loads((gemma_path / "config.json").read_text())
+    saved = parse_config(raw, "diffusion_gemma", "two_mode")
+    assert saved.layer_head_dims == (8, 8, 16) and saved.layer_kv_heads == (2, 2, 1) and saved.softcap == 30.0
+    # the constructor's keys instead of the per_layer_config save_pretrained writes
+    text = {k: v for k, v in raw["text_config"].items() if k != "per_layer_config"}
+    built = parse_config({**raw, "text_config": {**text, "global_head_dim": 16, "num_global_key_value_heads": 1,
+                                                 "final_logit_softcapping": 20.0}}, "diffusion_gemma", "two_mode")
+    assert built.layer_head_dims == saved.layer_head_dims and built.layer_kv_heads == saved.layer_kv_heads
+    assert built.softcap == 20.0
+    default = parse_config({**raw, "text_config": text}, "diffusion_gemma", "two_mode")
+    assert default.layer_head_dims == (8, 8, 512)  # transformers' default global_head_dim
+    for change, match in (({"use_bidirectional_attention": "all"}, "bidirectional encoder"),
+                          ({"num_experts": None}, "num_experts is required"),
+                          ({"hidden_activation": "silu"}, "hidden_activation")):
+        with pytest.raises(ValueError, match=match):
+            parse_config({**raw, "text_config": {**raw["text_config"], **change}}, "diffusion_gemma", "two_mode")
+    cfg = kstep.load(gemma_path).cfg  # active parameters: top-2 of 4 experts
+    assert cfg.num_active_params < cfg.num_params
