@@ -14,6 +14,7 @@ A budget below what one pass per block (AR: one token) takes is an error naming 
 """
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,9 +23,13 @@ from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, GenerationParams
 
 
 class PassCosts:
-    """Seconds per forward pass of one model on its device, fitted to timed passes."""
+    """Seconds per forward pass of one model on its device, fitted to timed passes. An MoE model
+    (`experts`: tokens -> distinct experts a pass of that many tokens reads per sparse layer) gets
+    a fourth term, d * experts(tokens): the weights a pass reads grow with the union of the experts
+    its tokens chose, which is not linear in the tokens."""
 
-    def __init__(self, max_samples: int = 512):
+    def __init__(self, max_samples: int = 512, experts: Callable[[float], float] | None = None):
+        self.experts = experts
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=max_samples)
         self._coef: torch.Tensor | None = None
         self._fitted_on = -1
@@ -66,15 +71,19 @@ class PassCosts:
 
     def predict(self, tokens: float, attended: float) -> float:
         if self._fitted_on != self._seen:
-            rows = torch.tensor([[1.0, t, t * s] for t, s, _ in self.samples], dtype=torch.float64)
+            rows = torch.tensor([self._features(t, s) for t, s, _ in self.samples], dtype=torch.float64)
             seconds = torch.tensor([[x] for _, _, x in self.samples], dtype=torch.float64)
             # Least squares, then no negative terms (a cost cannot fall with more work).
             coef = torch.linalg.lstsq(rows, seconds).solution.squeeze(1).clamp(min=0)
             if float(coef.sum()) == 0:
-                coef = torch.tensor([float(seconds.mean()), 0.0, 0.0], dtype=torch.float64)
+                coef = torch.zeros(rows.shape[1], dtype=torch.float64)
+                coef[0] = float(seconds.mean())
             self._coef, self._fitted_on = coef, self._seen
-        a, b, c = self._coef.tolist()
-        return a + b * tokens + c * tokens * attended
+        return float(sum(c * f for c, f in zip(self._coef.tolist(), self._features(tokens, attended))))
+
+    def _features(self, tokens: float, attended: float) -> list[float]:
+        base = [1.0, tokens, tokens * attended]
+        return base if self.experts is None else base + [self.experts(tokens)]
 
 
 class LoadedCosts:

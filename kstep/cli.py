@@ -70,17 +70,39 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+SIZE_FLAGS = {"d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int, "ffn_dim": int,
+              "vocab_size": int, "max_positions": int, "num_experts": int, "top_k": int, "expert_dim": int,
+              "shared_dim": int, "n_group": int, "topk_group": int, "dense_layers": int}
+
+
 def add_random_checkpoint(sub) -> None:
-    rand = add_command(sub, "random-checkpoint", "write a small random-weight checkpoint (tests, demos)")
-    rand.add_argument("--family", default="llada", choices=["llada", "dream", "fast_dllm_v2", "sdar", "llama"])
+    from kstep.registry import FAMILIES
+    from kstep.shapes import SHAPES
+    rand = add_command(sub, "random-checkpoint", "write a random-weight checkpoint in a family's real layout "
+                       "(tiny by default; a published model's shape with --shape)")
+    rand.add_argument("--family", default="llada", choices=sorted(FAMILIES))
     rand.add_argument("--out", required=True)
     rand.add_argument("--seed", type=int, default=0)
-    rand.set_defaults(run=lambda args: _write_random(args))
+    rand.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                      help="a published model's sizes (" + "; ".join(f"{k}: {v.note}" for k, v in SHAPES.items()) + ")")
+    rand.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    rand.add_argument("--shard-size-mb", type=int, default=2048, help="shard the safetensors past this size")
+    sizes = rand.add_argument_group("sizes (override the tiny default or the shape's)")
+    for name, kind in SIZE_FLAGS.items():
+        sizes.add_argument("--" + name.replace("_", "-"), type=kind, default=None, metavar="N")
+    rand.set_defaults(run=_write_random)
 
 
 def _write_random(args) -> int:
+    from kstep.llm import resolve_dtype
     from kstep.random_checkpoint import write_random_checkpoint
-    print(write_random_checkpoint(args.out, family=args.family, seed=args.seed))
+    sizes = {name: getattr(args, name) for name in SIZE_FLAGS if getattr(args, name) is not None}
+    bad = [f"--{k.replace('_', '-')} {v}" for k, v in sizes.items() if v <= 0 and k != "dense_layers"]
+    if bad:
+        raise ValueError(f"{bad[0]}: sizes must be positive")
+    print(write_random_checkpoint(args.out, family=args.family, seed=args.seed, shape=args.shape,
+                                  dtype=resolve_dtype(args.dtype), shard_bytes=args.shard_size_mb * 1024 ** 2,
+                                  **sizes))
     return 0
 
 

@@ -54,7 +54,8 @@ class LLM:
         self.family = FAMILIES[self.cfg.family]
         self.tokenizer: Tokenizer | None = load_tokenizer(self.path)
         self.runner = ModelRunner(self.model)
-        self.pass_costs = PassCosts()  # this device's measured pass costs, for time budgets (budget.py)
+        experts = None if self.cfg.moe is None else self.cfg.moe.expected_experts
+        self.pass_costs = PassCosts(experts=experts)  # this device's measured pass costs, for time budgets (budget.py)
         eot = self.tokenizer.end_of_turn_ids() if self.tokenizer else []
         self.stop_ids = list(dict.fromkeys([*self.cfg.eos_token_ids, *eot]))
         self.pad_id = next(i for i in (self.cfg.pad_token_id, *self.stop_ids, 0) if i is not None
@@ -79,7 +80,8 @@ class LLM:
         raw = read_json(path) if path.is_file() else {}
         if hasattr(self.family.layout, "generation_defaults"):  # knobs under the checkpoint's own names
             return self.family.layout.generation_defaults(raw)
-        names = {"eps": "eps", "alg_temp": "alg_temp", "threshold": "threshold", "small_block_size": "sub_block_length"}
+        names = {"eps": "eps", "alg_temp": "alg_temp", "threshold": "threshold", "small_block_size": "sub_block_length",
+                 "editing_threshold": "editing_threshold", "max_post_steps": "max_post_steps"}
         return {knob: raw[key] for key, knob in names.items() if raw.get(key) is not None
                 and knob_applies(knob, self.cfg.family, self.family.kind)}
 
@@ -112,7 +114,8 @@ class LLM:
         """`params` resolved for this model's family (raises ValueError naming a bad knob)."""
         checkpoint = dict(self.checkpoint_defaults)
         if params.exact or params.steps is not None or params.factor is not None:
-            checkpoint.pop("threshold", None)  # the request chose another unmask policy
+            for knob in ("threshold", "editing_threshold", "max_post_steps"):
+                checkpoint.pop(knob, None)  # the request chose another unmask policy
         block = params.block_length or self.cfg.block_size
         if block and block % checkpoint.get("sub_block_length", block):
             checkpoint.pop("sub_block_length")  # the request's block is not made of the checkpoint's sub-blocks
@@ -151,10 +154,8 @@ class LLM:
         bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"{what} token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        image_id = getattr(self.cfg, "image_token_id", None)
-        if image_id is not None and image_id in ids:
-            raise ValueError(f"{what} contains the image token id {image_id}: {self.cfg.family} runs text only "
-                             "(image inputs are not supported)")
+        if (image_id := getattr(self.cfg, "image_token_id", None)) is not None and image_id in ids:
+            raise ValueError(f"{what} contains the image token id {image_id}: {self.cfg.family} runs text only")
         if self.cfg.mask_token_id is not None and self.cfg.mask_token_id in ids:
             raise ValueError(f"{what} contains the mask token id {self.cfg.mask_token_id}, "
                              "which only the sampler may place")
@@ -187,8 +188,7 @@ class LLM:
         elif self.family.kind == BLOCK_DIFFUSION:  # the last block may end up to a block past max_tokens
             extra, why = params.block_length, f" + block_length ({params.block_length})"
         elif self.family.kind == UNIFORM_DIFFUSION:  # whole canvases
-            extra, why = -params.max_tokens % self.cfg.canvas_length, f" rounded up to whole canvases of " \
-                f"{self.cfg.canvas_length}"
+            extra, why = -params.max_tokens % self.cfg.canvas_length, f" in canvases of {self.cfg.canvas_length}"
         if longest + params.max_tokens + extra > self.cfg.max_positions:
             what = f"max_tokens ({params.max_tokens})" + why
             raise ValueError(f"prompt ({longest} tokens) + {what} exceeds the model's context of "

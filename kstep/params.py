@@ -26,7 +26,8 @@ UNIFORM_DEFAULTS = {"max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.
 DENOISING = (DIFFUSION, BLOCK_DIFFUSION)
 DEFAULT_BLOCK_LENGTH = 32  # LLaDA-Instruct's recommended semi-autoregressive block
 # The fast default (Fast-dLLM's dual cache + confidence threshold): `kstep eval` measured it to hold
-# quality against the exact sampler on held-out prompts (README). `exact=True` is the reference sampler.
+# quality against the exact sampler on held-out prompts (docs/benchmarks.md, "Quality: `kstep eval`").
+# `exact=True` is the reference sampler.
 DEFAULT_CACHE = "dual"
 DEFAULT_THRESHOLD = 0.9
 DEFAULT_NUM_DRAFT_TOKENS = 4  # speculative decoding, when a draft is loaded

@@ -1,14 +1,20 @@
-"""Small random-weight checkpoints in each family's real on-disk layout, for tests and demos.
+"""Random-weight checkpoints in each family's real on-disk layout: tiny ones for tests and demos,
+published models' shapes (kstep/shapes.py) for measuring at real sizes.
 
-They are written exactly as a real checkpoint is (config.json + model.safetensors + tokenizer.json
-+ tokenizer_config.json) and read back through the normal loader. Their output is noise.
+They are written exactly as a real checkpoint is (config.json + safetensors, sharded with
+model.safetensors.index.json past `shard_bytes` + tokenizer.json + tokenizer_config.json) and read
+back through the normal loader. Weights are drawn one parameter at a time and written as they
+complete, so writing a multi-GB checkpoint never holds the model in memory. Their output is noise.
 """
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
-from kstep.models import ModelConfig, Transformer
+from kstep.models import ModelConfig, MoEConfig, Transformer
 from kstep.registry import AUTOREGRESSIVE, BLOCK_DIFFUSION, FAMILIES
+from kstep.shapes import shape_sizes
 from kstep.train.bpe import (
     EOS,
     MASK,
@@ -17,7 +23,7 @@ from kstep.train.bpe import (
     save_tokenizer,
     train_byte_level_bpe,
 )
-from kstep.weights import save_checkpoint
+from kstep.weights import assemble_tensors
 
 # The tokenizer's training text: fixed, so the tiny checkpoints (and the tests on them) do not change
 # whenever a source file does.
@@ -51,36 +57,122 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def tiny_config(family: str, vocab_size: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-                n_kv_heads: int = 2, ffn_dim: int = 128, max_positions: int = 1024) -> ModelConfig:
+# The MoE families' routers (kstep/layers/moe.py) and whether their checkpoints carry an expert bias.
+MOE_ROUTERS = {"llada2_moe": ("sigmoid_grouped", True, True), "llada_moe": ("softmax", False, False)}
+DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
+
+
+def random_config(family: str, vocab_size: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
+                  n_kv_heads: int = 2, ffn_dim: int = 128, max_positions: int = 1024, head_dim: int | None = None,
+                  tie: bool = False, num_experts: int = 8, top_k: int = 2, expert_dim: int = 32, shared_dim: int = 0,
+                  n_group: int = 4, topk_group: int = 2, dense_layers: int = 1) -> ModelConfig:
+    """A family's config at these sizes (the MoE sizes apply to the MoE families only: the first
+    `dense_layers` layers dense, the rest sparse)."""
     # LLaDA/OLMo pad the embedding to a multiple of 128 rows; the padding must never be sampled.
     embedding_size = -(-vocab_size // 128) * 128 if family == "llada" else vocab_size
     entry = FAMILIES[family]
+    moe = None
+    if family in MOE_ROUTERS:
+        router, grouped, renormalize = MOE_ROUTERS[family]
+        moe = MoEConfig(num_experts, top_k, expert_dim, router, renormalize=renormalize,
+                        n_group=n_group if grouped else 1, topk_group=topk_group if grouped else 1,
+                        scaling=2.5 if grouped else 1.0, has_bias=grouped, shared_dim=shared_dim,
+                        dense_layers=tuple(range(dense_layers)), logits_in_float32=grouped)
+    head_dim = head_dim or d_model // n_heads
     return ModelConfig(
         family=family, attention=entry.attention, vocab_size=vocab_size, embedding_size=embedding_size,
-        d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=d_model // n_heads,
-        ffn_dim=ffn_dim, norm_eps=1e-5, rope_theta=10000.0, max_positions=max_positions,
+        d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        ffn_dim=ffn_dim, norm_eps=1e-5, rope_theta=10000.0, max_positions=max_positions, tie_embeddings=tie,
         mask_token_id=SPECIAL_TOKENS.index(MASK) if entry.kind != AUTOREGRESSIVE else None,
-        qkv_bias=family in ("qwen2", "dream", "fast_dllm_v2"), qk_norm=family == "sdar",
-        block_size=4 if entry.kind == BLOCK_DIFFUSION else None, pad_token_id=SPECIAL_TOKENS.index(PAD), eos_token_ids=(SPECIAL_TOKENS.index(EOS),))
+        qkv_bias=family in ("qwen2", "dream", "fast_dllm_v2"), qk_norm=family in ("sdar", "llada2_moe", "llada_moe"),
+        out_bias=False, rotary_dim=head_dim // 2 if family == "llada2_moe" else None, moe=moe,
+        block_size=(32 if family == "llada2_moe" else 4) if entry.kind == BLOCK_DIFFUSION else None,
+        pad_token_id=SPECIAL_TOKENS.index(PAD), eos_token_ids=(SPECIAL_TOKENS.index(EOS),))
 
 
-def write_random_checkpoint(out: str | Path, family: str = "llada", seed: int = 0, **sizes) -> Path:
-    """Write a random-weight checkpoint with a byte-level tokenizer into `out`; returns the path."""
+SMALL_MODEL = 64_000_000  # parameters: below this a model is built in memory (the values tests have always had)
+
+
+def random_parameters(cfg: ModelConfig, seed: int):
+    """(name, float32 tensor) for each parameter, in order: matrices normal (std 0.2 up to 256 inputs,
+    then scaled down as 1/sqrt(inputs), so large shapes keep sane activations), the embedding std
+    0.5, vectors (norms, biases) uniform in [0.8, 1.2] (not exactly one, so a wrong norm is caught).
+    A small model is built and initialised from the global generator seeded with `seed` (as kstep
+    always wrote them, so the tiny test checkpoints keep their weights); a large one is drawn one
+    parameter at a time from its own generator, never held whole."""
+    small = cfg.num_params <= SMALL_MODEL
+    if small:
+        torch.manual_seed(seed)
+        model, generator = Transformer(cfg), None  # its own init draws from the global generator first
+    else:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        generator = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        value = p.data.float() if small else torch.empty(p.shape, dtype=torch.float32)
+        if p.dim() == 1:
+            value.uniform_(0.8, 1.2, generator=generator)
+        else:
+            fan_in = p.shape[-2] if name.endswith(("gate_up", "down")) else p.shape[-1]  # experts: (in, out)
+            std = 0.5 if name == "embed.weight" else 0.2 * min(1.0, (256 / fan_in) ** 0.5)
+            value.normal_(0.0, std, generator=generator)
+        yield name, value
+
+
+def write_weights(cfg: ModelConfig, out: Path, seed: int, dtype: torch.dtype, shard_bytes: int) -> int:
+    """Random weights in `cfg`'s checkpoint layout, sharded past `shard_bytes`; returns the bytes."""
+    names = FAMILIES[cfg.family].layout.checkpoint_names(cfg)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = total = 0
+    files: list[str] = []
+
+    def flush() -> None:
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shards[-1], str(out / name), metadata={"format": "pt"})
+        files.append(name)
+
+    weight_map = {}
+    for tensor_name, tensor in assemble_tensors(random_parameters(cfg, seed), names, dtype):
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > shard_bytes:
+            flush()
+            shards[-1], size = {}, 0
+        shards[-1][tensor_name] = tensor
+        weight_map[tensor_name] = len(files)
+        size += nbytes
+        total += nbytes
+    if not files:  # one file: the plain layout
+        save_file(shards[-1], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return total
+    flush()
+    count = len(files)
+    final = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    for old, new in zip(files, final):
+        (out / old).rename(out / new)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+def write_random_checkpoint(out: str | Path, family: str = "llada", seed: int = 0, shape: str | None = None,
+                            dtype: torch.dtype = torch.float32, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                            **sizes) -> Path:
+    """Write a random-weight checkpoint with a byte-level tokenizer into `out`; returns the path.
+    `shape`: a published model's sizes (kstep/shapes.py), which `sizes` may override."""
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r} is not known (choose from {', '.join(FAMILIES)})")
+    sizes = {**(shape_sizes(shape) if shape else {}), **sizes}
     corpus = [TOKENIZER_TEXT]  # any fixed text will do: the merges only shape the tokenizer
-    tokenizer = train_byte_level_bpe(corpus, vocab_size=sizes.pop("vocab_size", 500))
-    cfg = tiny_config(family, tokenizer.get_vocab_size(), **sizes)
-    torch.manual_seed(seed)
-    model = Transformer(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.5 if name == "embed.weight" else 0.2)
-            else:
-                p.uniform_(0.8, 1.2)  # norms: not exactly one, so a wrong norm is caught
-    save_checkpoint(model, out)
+    tokenizer = train_byte_level_bpe(corpus, vocab_size=min(sizes.get("vocab_size", 500), 500))
+    cfg = random_config(family, max(sizes.pop("vocab_size", 0), tokenizer.get_vocab_size()), **sizes)
+    raw = FAMILIES[family].layout.to_raw_config(cfg)
+    raw["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    write_weights(cfg, out, seed, dtype, shard_bytes)
     save_tokenizer(tokenizer, out, CHAT_TEMPLATE)
-    (out / "README.md").write_text(f"# Random weights ({family})\n\nWritten by `kstep random-checkpoint` "
+    what = f"{family}, shape {shape}" if shape else family
+    (out / "README.md").write_text(f"# Random weights ({what})\n\nWritten by `kstep random-checkpoint` "
                                    f"(seed {seed}). The weights are random: the output is noise.\n")
     return out

@@ -7,6 +7,8 @@ file in models/ and a decoder in decoding/ (or a reused one).
     dream    dream.py           bidirectional   diffusion       dream.DreamDecoder
     fast_dllm_v2  fast_dllm_v2.py  block_causal  block-diffusion  block_diffusion.BlockDiffusionDecoder (shifted)
     sdar     sdar.py            block_causal    block-diffusion block_diffusion.BlockDiffusionDecoder
+    llada2_moe  llada2_moe.py   block_causal    block-diffusion block_diffusion.BlockDiffusionDecoder (+ token editing)
+    llada_moe   llada_moe.py    bidirectional   diffusion       masked_diffusion.DiffusionDecoder
     llama    llama.py           causal          autoregressive  autoregressive (speculative with a draft)
     qwen2    llama.py           causal          autoregressive  autoregressive (speculative with a draft)
     diffusion_gemma  diffusion_gemma.py  two_mode  uniform-diffusion  uniform_diffusion.UniformDiffusionDecoder
@@ -23,7 +25,7 @@ from kstep.decoding.dream import DreamDecoder
 from kstep.decoding.masked_diffusion import DiffusionDecoder
 from kstep.decoding.speculative import SpeculativeDecoder
 from kstep.decoding.uniform_diffusion import UniformDiffusionDecoder
-from kstep.models import diffusion_gemma, dream, fast_dllm_v2, llada, llama, sdar
+from kstep.models import diffusion_gemma, dream, fast_dllm_v2, llada, llada2_moe, llada_moe, llama, sdar
 from kstep.models.diffusion_gemma_model import DiffusionGemma
 from kstep.models.config import ModelConfig
 from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, UNIFORM_DIFFUSION, GenerationParams
@@ -60,6 +62,8 @@ class Family:
     architectures: tuple[str, ...]   # config.json `architectures` that select it
     model_types: tuple[str, ...]     # config.json `model_type` that selects it
     sub_block_length: int | None = None  # block diffusion: unmask inside sub-blocks of this size (Fast-dLLM v2)
+    threshold: float | None = None   # the reference sampler's confidence threshold, with steps too (LLaDA2: 0.95)
+    config_test: Callable[[dict], bool] | None = None  # whether a config.json of a shared model_type is this family's
     network: type | None = None      # its own nn.Module (None: models/transformer.py's Transformer)
 
     def parse_config(self, raw: dict) -> ModelConfig:
@@ -74,7 +78,14 @@ class Family:
         defaults = {"block_length": block}
         if self.sub_block_length and block % self.sub_block_length == 0:
             defaults["sub_block_length"] = self.sub_block_length
+        if self.threshold is not None and not params.exact:
+            defaults["threshold"] = self.threshold
         return defaults
+
+    def matches_model_type(self, raw: dict) -> bool:
+        """config.json's `model_type` is this family's (and, where a model_type is shared, its fields
+        say so: LLaDA-MoE's is "llada" too, told apart by its experts)."""
+        return raw.get("model_type") in self.model_types and (self.config_test is None or self.config_test(raw))
 
 
 def _diffusion(cls) -> DecoderFactory:
@@ -87,13 +98,18 @@ def _block(rules: BlockRules) -> DecoderFactory:
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("llada", llada, "bidirectional", DIFFUSION, _diffusion(DiffusionDecoder), ("LLaDAModelLM",), ("llada",)),
+    Family("llada", llada, "bidirectional", DIFFUSION, _diffusion(DiffusionDecoder), ("LLaDAModelLM",), ("llada",),
+           config_test=lambda raw: not raw.get("num_experts")),
+    Family("llada_moe", llada_moe, "bidirectional", DIFFUSION, _diffusion(DiffusionDecoder), ("LLaDAMoEModelLM",),
+           ("llada",), config_test=lambda raw: bool(raw.get("num_experts"))),
     Family("dream", dream, "bidirectional", DIFFUSION, _diffusion(DreamDecoder), ("DreamModel",), ("Dream",)),
     Family("fast_dllm_v2", fast_dllm_v2, "block_causal", BLOCK_DIFFUSION,
            _block(BlockRules(is_shifted=True)), ("Fast_dLLM_QwenForCausalLM",), ("Fast_dLLM_Qwen",),
            sub_block_length=8),
     Family("sdar", sdar, "block_causal", BLOCK_DIFFUSION, _block(BlockRules(is_shifted=False)),
            ("SDARForCausalLM",), ("sdar",)),
+    Family("llada2_moe", llada2_moe, "block_causal", BLOCK_DIFFUSION, _block(BlockRules(is_shifted=False, steps_capped=True)),
+           ("LLaDA2MoeModelLM",), ("llada2_moe",), threshold=0.95),
     Family("llama", llama, "causal", AUTOREGRESSIVE, autoregressive_decoder, ("LlamaForCausalLM",), ("llama",)),
     Family("qwen2", llama, "causal", AUTOREGRESSIVE, autoregressive_decoder, ("Qwen2ForCausalLM",), ("qwen2",)),
     Family("diffusion_gemma", diffusion_gemma, "two_mode", UNIFORM_DIFFUSION, _diffusion(UniformDiffusionDecoder),
@@ -103,11 +119,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 
 def family_for(raw: dict) -> Family:
     """The family of a checkpoint's config.json, chosen by `architectures`, then `model_type`."""
+    by_architecture = [f for f in FAMILIES.values() if any(a in f.architectures for a in raw.get("architectures") or [])]
+    if by_architecture:
+        return by_architecture[0]
     for family in FAMILIES.values():
-        if any(a in family.architectures for a in raw.get("architectures") or []):
-            return family
-    for family in FAMILIES.values():
-        if raw.get("model_type") in family.model_types:
+        if family.matches_model_type(raw):
             return family
     known = sorted(a for f in FAMILIES.values() for a in f.architectures)
     raise ValueError(f"unknown architecture {raw.get('architectures')} / model_type {raw.get('model_type')!r}"

@@ -20,17 +20,22 @@ MASK_TOKENS = ("|<MASK>|", "<|MASK|>", "<MASK>", "<|mask|>", "[MASK]")
 
 
 def mask_id_from_tokenizer(path: Path) -> int | None:
-    """The mask token's id from tokenizer_config.json's `mask_token` or tokenizer.json's added tokens."""
+    """The mask token's id from the tokenizer files a checkpoint ships: tokenizer_config.json's
+    `mask_token` (or a known mask token's name) looked up in tokenizer.json's added tokens, in
+    tokenizer_config.json's `added_tokens_decoder`, or in added_tokens.json (slow-tokenizer
+    checkpoints with no tokenizer.json)."""
     names = list(MASK_TOKENS)
-    config_path = path / "tokenizer_config.json"
-    if config_path.is_file():
-        named = read_json(config_path).get("mask_token")
-        named = named.get("content") if isinstance(named, dict) else named
-        names = ([named] if named else []) + names
-    tokenizer_path = path / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        return None
-    added = {t.get("content"): t.get("id") for t in read_json(tokenizer_path).get("added_tokens", [])}
+    config = read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
+    named = config.get("mask_token")
+    named = named.get("content") if isinstance(named, dict) else named
+    names = ([named] if named else []) + names
+    added: dict[str, int] = {}
+    if (path / "added_tokens.json").is_file():
+        added.update({k: v for k, v in read_json(path / "added_tokens.json").items() if isinstance(v, int)})
+    added.update({t.get("content"): int(i) for i, t in (config.get("added_tokens_decoder") or {}).items()
+                  if isinstance(t, dict) and str(i).isdigit()})
+    if (path / "tokenizer.json").is_file():
+        added.update({t.get("content"): t.get("id") for t in read_json(path / "tokenizer.json").get("added_tokens", [])})
     return next((added[n] for n in names if n in added), None)
 
 
@@ -145,7 +150,8 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
         model = (FAMILIES[cfg.family].network or Transformer)(cfg).to(dtype)
     for module in model.modules():
         for name in getattr(module, "keeps_float32", ()):
-            setattr(module, name, nn.Parameter(getattr(module, name).float(), requires_grad=False))
+            if getattr(module, name) is not None:
+                setattr(module, name, nn.Parameter(getattr(module, name).float(), requires_grad=False))
     model = model.to_empty(device=device)
     model.reset_rotary(device)
     return model.eval().requires_grad_(False)
@@ -160,16 +166,29 @@ def load_model(path: str | Path, device: torch.device | str = "cpu",
     return model
 
 
-def checkpoint_tensors(model: Transformer, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's parameters as its family's checkpoint tensors (experts unstacked, fused rows joined)."""
-    params = dict(model.named_parameters())
+def assemble_tensors(params, names: dict, dtype: torch.dtype | None = None):
+    """Yield (checkpoint tensor name, tensor) from (parameter name, tensor) pairs, each checkpoint
+    tensor as soon as all its parts have come (experts unstacked, fused rows joined), on the CPU in
+    `dtype`: a writer holds one parameter and the tensors not yet written, never the whole model."""
+    parts, counts = parts_of(names), {}
+    for plist in parts.values():
+        for part in plist:
+            counts[part.tensor] = counts.get(part.tensor, 0) + 1
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for ours, parts in parts_of(_layout(model.cfg).checkpoint_names(model.cfg)).items():
-        for part in parts:
-            value = _target(params[ours].detach(), part)
-            pieces.setdefault(part.tensor, []).append((part.rows[0] if part.rows else 0, value))
-    return {name: torch.cat([v for _, v in sorted(vs, key=lambda x: x[0])]).to("cpu", dtype or vs[0][1].dtype)
-            .contiguous() for name, vs in pieces.items()}
+    for ours, value in params:
+        for part in parts[ours]:
+            piece = _target(value.detach(), part).to("cpu", dtype or value.dtype)
+            got = pieces.setdefault(part.tensor, [])
+            got.append((part.rows[0] if part.rows else 0, piece))
+            if len(got) == counts[part.tensor]:
+                del pieces[part.tensor]
+                yield part.tensor, torch.cat([t for _, t in sorted(got, key=lambda x: x[0])]).contiguous()
+
+
+def checkpoint_tensors(model: Transformer, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's parameters as its family's checkpoint tensors."""
+    names = _layout(model.cfg).checkpoint_names(model.cfg)
+    return dict(assemble_tensors(model.named_parameters(), names, dtype))
 
 
 def save_checkpoint(model: Transformer, path: str | Path, dtype: torch.dtype | None = None) -> None:

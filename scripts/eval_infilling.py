@@ -7,7 +7,7 @@ oracle length) or 2N (a caller that over-estimates). Greedy, the model's default
 Measured per setting: parse rate of prefix + infilled middle + suffix (a whole function), and the
 normalised edit distance of the middle to the real one. Run alone (nothing else on the CPU):
 
-    .venv/bin/python scripts/eval_infilling.py --model llada-coder --out docs/eval/infilling.json
+    .venv/bin/python scripts/eval_infilling.py --model llada-coder --out docs/decoding/infilling.json
 """
 import argparse
 import ast

@@ -3,7 +3,7 @@ decoding's own time t at N tokens (every completion N, `min_tokens`), then budge
 of t: the share finished within budget, tokens produced, passes, parse rate of the function part.
 Diffusion coarsens (fewer passes), AR truncates (fewer tokens). Run alone:
 
-    .venv/bin/python scripts/eval_time_budget.py --models default,default-ar --out docs/eval/time_budget.json
+    .venv/bin/python scripts/eval_time_budget.py --models default,default-ar --out docs/serving/time_budget.json
 """
 import argparse
 import json

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Every figure in the README, one benchmark at a time (never two torch processes side by side).
+# Every figure of docs/benchmarks.md, one benchmark at a time (never two torch processes side by side).
 # About 40 minutes on 2 CPU cores. Not part of CI. JSON, PNG and the printed tables (*.md) go to
-# docs/ (committed) unless OUT is set.
+# docs/benchmarks/ (committed, beside the page) unless OUT is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-docs}
+OUT=${OUT:-docs/benchmarks}
 KSTEP=.venv/bin/kstep
 mkdir -p "$OUT/bench/ar" "$OUT/bench/exact" "$OUT/compare" "$OUT/eval"
 $KSTEP bench decode --model llada-coder --max-cell-seconds 30 --out "$OUT/bench" | tee "$OUT/bench/bench_decode.md"

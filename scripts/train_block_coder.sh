@@ -10,7 +10,7 @@
 # Steps 1 and 2 run side by side, one thread each. Its decoding defaults (generation_config.json:
 # threshold 0.8 in sub-blocks of 2) are the fastest setting of the sub-block x threshold grid whose
 # parse rate is within 5 points of the AR twin's on the held-out prompts, checked on the unseen ones.
-# EXPERIMENTS=1 also runs what was tried and not shipped (README, "Block-diffusion coder"): longer
+# EXPERIMENTS=1 also runs what was tried and not shipped (docs/bundled-models.md): longer
 # fine-tunes on every distilled row at 12.5% corpus, certainty weight 1 and 3, side by side (~80 min).
 # Then the card, curves and evaluation.
 set -euo pipefail
@@ -44,6 +44,6 @@ mkdir -p kstep/bundled/default
 cp "$RUNS/block-stage2"/{config.json,model.safetensors,tokenizer.json,tokenizer_config.json,train_log.jsonl,train_config.json,data_split.json} \
   kstep/bundled/default/
 printf '{\n  "threshold": 0.8,\n  "small_block_size": 2\n}\n' > kstep/bundled/default/generation_config.json
-$KSTEP train-report --model block-coder=kstep/bundled/default --out docs/eval/block-coder/report --write-cards
-cp "$RUNS/block-stage1/train_log.jsonl" docs/eval/block-coder/stage1_train_log.jsonl
-cp "$RUNS/block-stage2/train_log.jsonl" docs/eval/block-coder/stage2_train_log.jsonl
+$KSTEP train-report --model block-coder=kstep/bundled/default --out docs/bundled-models/block-coder/report --write-cards
+cp "$RUNS/block-stage1/train_log.jsonl" docs/bundled-models/block-coder/stage1_train_log.jsonl
+cp "$RUNS/block-stage2/train_log.jsonl" docs/bundled-models/block-coder/stage2_train_log.jsonl

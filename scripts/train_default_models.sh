@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-runs}
 KSTEP=.venv/bin/kstep
-# d_model 192 / 4 layers won a held-out-loss sweep at equal wall time against d_model 256 / 6 layers (README).
+# d_model 192 / 4 layers won a held-out-loss sweep at equal wall time against d_model 256 / 6 layers
+# (docs/bundled-models.md, "Sizing").
 COMMON=(--d-model 192 --n-layers 4 --n-heads 4 --n-kv-heads 4 --ffn-dim 512 --seq-len 512 --batch-size 8 --lr 2e-3
         --warmup-steps 100 --token-budget 7200000 --eval-every 256 --eval-windows 16 --save-every 256 --threads 1)
 mkdir -p "$RUNS"
@@ -20,7 +21,7 @@ $KSTEP train --objective ar --out "$RUNS/default-draft" --tokenizer "$RUNS/llada
   --n-heads 2 --n-kv-heads 2 --ffn-dim 352 --seq-len 512 --batch-size 8 --token-budget 3000000 \
   --eval-every 128 --eval-windows 16 --save-every 128 --threads 1 > "$RUNS/default-draft.log" 2>&1
 $KSTEP train-report --model diffusion="$RUNS/llada-coder" --model ar="$RUNS/default-ar" --model draft="$RUNS/default-draft" \
-  --out docs
+  --out docs/bundled-models
 for name in llada-coder default-ar default-draft; do
   mkdir -p "kstep/bundled/$name"
   cp "$RUNS/$name"/{config.json,model.safetensors,tokenizer.json,tokenizer_config.json,train_log.jsonl,train_config.json,data_split.json} "kstep/bundled/$name/"

@@ -79,11 +79,11 @@ def test_sdar_matches_block_diffusion_generate(sdar_path, prompt_len, max_tokens
     assert MASK_ID not in want
     assert got.token_ids == want  # a fused commit writes the same keys: SDAR's tokens do not change
     assert got.nfe <= expected_nfe
-    if fused:  # ... and each block after the first costs one pass less
+    if fused:  # ... each block after the first costs one pass less, and a prefill is the first block's first pass
         separate = llm.generate(prompt, max_tokens=max_tokens, block_length=block, steps=steps, fused_commit=False,
                                 **knobs)[0]
         blocks_after_first = (prompt_len + len(got.token_ids) - 1) // block - prompt_len // block
-        assert got.nfe == separate.nfe - blocks_after_first
+        assert got.nfe == separate.nfe - blocks_after_first - (prompt_len >= block)
 
 
 @pytest.mark.parametrize("family", ["fast_dllm_v2", "sdar"])
@@ -195,3 +195,43 @@ def test_first_token_constraint_holds_at_a_block_boundary(v2_path, prompt_len):
     allowed = [t for t in range(20, 40) if t != free[0]]
     rows, _ = decode_alone(llm.make_decoder([prompt], params, first_tokens=[allowed]), {})
     assert rows[0][0] in allowed
+
+
+def test_a_one_block_prompt_is_read_although_fast_dllm_v2_batch_sample_skips_it(v2_path):
+    """Fast-dLLM v2's `batch_sample` (and `generate`) prefill the prompt only when the shortest is
+    longer than a block (`min_len > block_size`): a prompt of exactly one block is never seen by the
+    block it decodes first, so every such prompt gives the same output. Judged an off-by-one (`>=`
+    meant): kstep reads the prompt, as batch_sample itself does for that row beside a shorter prompt."""
+    from block_reference import fast_dllm_v2_batch_sample
+    llm, ref = kstep.load(v2_path), ReferenceFastDllmV2(v2_path)
+    settings = dict(max_new_tokens=16, block_size=8, small_block_size=4, threshold=0.9, mask_id=MASK_ID,
+                    stop_token=IM_END_ID, attn_block_size=8)
+    prompt, other = prompt_ids(8, 21), prompt_ids(8, 22)
+    [alone], _ = fast_dllm_v2_batch_sample(ref, [torch.tensor(prompt)], **settings)
+    [other_alone], _ = fast_dllm_v2_batch_sample(ref, [torch.tensor(other)], **settings)
+    assert alone[8:].tolist() == other_alone[8:].tolist()  # the reference's bug: the prompt is not read
+    [beside, _], _ = fast_dllm_v2_batch_sample(ref, [torch.tensor(prompt), torch.tensor(prompt_ids(5, 23))],
+                                              **settings)
+    got = llm.generate(prompt, max_tokens=16, block_length=8, sub_block_length=4, threshold=0.9,
+                       fused_commit=False)[0]
+    assert got.token_ids == completion(beside[8:].tolist(), llm.stop_ids)[:16]
+    assert got.token_ids != completion(alone[8:].tolist(), llm.stop_ids)[:16]
+
+
+def test_block_confidence_is_the_probability_under_the_filtered_sampling_distribution(sdar_path):
+    """SDAR's generate.py scores a sampled token under the top-k / top-p filtered distribution it was
+    drawn from (Fast-dLLM v2 and LLaDA2 too): at temperature 1 with top_k 1 every position is fully
+    confident and a whole block unmasks in one pass. Not a bug (the distribution sampled is the one
+    scored), so kstep does the same."""
+    llm, ref = kstep.load(sdar_path), ReferenceSDAR(sdar_path)
+    prompt = prompt_ids(6, 31)
+    expected, expected_nfe = sdar_generate(
+        ref, torch.tensor([prompt]), mask_id=MASK_ID, gen_length=16, block_length=4, denoising_steps=4,
+        temperature=1.0, top_k=1, remasking_strategy="low_confidence_dynamic", confidence_threshold=0.9,
+        stop_ids=llm.stop_ids, variant="generate")
+    got = llm.generate(prompt, max_tokens=16, block_length=4, steps=4, threshold=0.9, temperature=1.0, top_k=1,
+                       seed=0, fused_commit=False)[0]
+    assert got.token_ids == completion(expected[0, 6:].tolist(), llm.stop_ids)[:16]
+    assert got.nfe <= expected_nfe
+    greedy = llm.generate(prompt, max_tokens=16, block_length=4, steps=4, threshold=0.9, fused_commit=False)[0]
+    assert got.nfe < greedy.nfe  # whole blocks per pass, where greedy decoding goes by confidence

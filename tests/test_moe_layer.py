@@ -125,6 +125,10 @@ def test_bfloat16_experts_stay_bfloat16_on_either_path(expert_dim, monkeypatch):
         out = experts(x, routing)
         monkeypatch.setattr(moe, "HAS_GROUPED_MM", False)
         looped = experts(x, routing)
+        experts.fuse()  # bf16: (out, in) storage, the same parameters' values
+        assert not experts.gate_up.is_contiguous() and torch.equal(experts(x, routing), looped)
+        monkeypatch.setattr(moe, "HAS_GROUPED_MM", True)
+        assert torch.allclose(experts(x, routing).float(), out.float(), atol=2e-2)
     assert out.dtype == torch.bfloat16
     assert torch.allclose(out.float(), looped.float(), atol=2e-2)
     assert torch.allclose(out.float(), naive_experts(experts, x, routing).float(), atol=5e-2)

@@ -4,7 +4,7 @@ and an AR model: no console errors, the canvas refines (masks while running, non
 final text is the API's greedy completion, the AR pane streams, the stats fill in, a bad setting
 shows the server's message, and an API key is asked for once.
 
-KSTEP_SCREENSHOT=PATH also runs the bundled pair and saves a finished race there (docs/playground.png)."""
+KSTEP_SCREENSHOT=PATH also runs the bundled pair and saves a finished race there (docs/serving/playground.png)."""
 import os
 import shutil
 from pathlib import Path

@@ -1,4 +1,5 @@
-"""`kstep bench decode|compare|quant|ar|serve`: the benchmarks' flags and their checks. Every
+"""`kstep bench decode|compare|quant|ar|serve` (and moe|load|passes: sizes_cli.py): the benchmarks'
+flags and their checks. Every
 benchmark reports ratios against a baseline measured in the same run."""
 import argparse
 import json
@@ -15,7 +16,8 @@ def _progress(line: str) -> None:
 def add_bench(sub) -> None:
     bench = add_command(sub, "bench", "benchmarks (ratios against a baseline measured in the same run)", "KIND")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND", prog=bench.prog)
-    for add in (_add_decode, _add_compare, _add_quant, _add_ar, _add_serve):
+    from kstep.bench.sizes_cli import add_load, add_moe, add_passes
+    for add in (_add_decode, _add_compare, _add_quant, _add_ar, _add_serve, add_moe, add_load, add_passes):
         add(kinds)
 
 
@@ -229,3 +231,4 @@ def run_serve_bench(args: argparse.Namespace) -> int:
                        replicas=args.replicas)
     print(format_table(result))
     return 0
+

@@ -2,14 +2,19 @@
 floor they put under its time on a device with a given memory bandwidth and matmul throughput.
 
 A pass of b rows, T new tokens each, attending to S positions, with the LM head on R positions:
-  FLOPs = 2 * (body weights) * bT  +  4 * S * (heads * head_dim) * layers * bT  +  2 * d * V * bR
-  bytes = (body + head weights) + (K and V read: 2 * S * kv_dim * layers * b, written: ... * bT)
+  FLOPs = 2 * (body weights a token uses) * bT  +  4 * S * (heads * head_dim) * layers * bT  +  2 * d * V * bR
+  bytes = (body weights read + head) + (K and V read: 2 * S * kv_dim * layers * b, written: ... * bT)
           + activations (each layer's inputs/outputs: (6d + 3 ffn) * layers * bT) + logits (bR * V * 4)
   floor = max(bytes / bandwidth, FLOPs / matmul peak)
 An AR generation of N tokens is a prefill (T = P) and N - 1 passes of T = 1; a diffusion
 generation is K passes: the exact sampler's are full passes over prompt + N; with the dual cache,
 one full pass per block and window passes of T = block_length against the cache. A block-diffusion
 generation is a prompt prefill and K passes of one block against the exact cache of what precedes it.
+
+An MoE model changes the bytes, not the FLOPs per token: a token runs its top_k experts, but a pass
+reads every expert some token of it chose. An AR step reads k per sparse layer; a block pass reads
+their union, most of the experts at 32 tokens, so a diffusion pass on an MoE model costs several AR
+steps where on a dense model it costs about one.
 """
 import time
 from dataclasses import dataclass
@@ -52,22 +57,39 @@ class PassCost:
 
 
 def body_params(cfg: ModelConfig) -> int:
-    """Weights every token goes through (attention + MLP + norms), not the embedding or the head."""
-    attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    return cfg.n_layers * (attn + 3 * cfg.d_model * cfg.ffn_dim + 2 * cfg.d_model) + cfg.d_model
+    """Weights one token goes through (attention + MLP, an MoE layer's router, top_k experts and
+    shared experts + norms), not the embedding or the head."""
+    return cfg.body_params(active=True)
+
+
+def expected_experts(cfg: ModelConfig, tokens: float) -> float:
+    """Distinct experts one sparse layer of `cfg` reads for a pass of `tokens` (MoEConfig.expected_experts)."""
+    return cfg.moe.expected_experts(tokens)
+
+
+def body_bytes_read(cfg: ModelConfig, tokens: float, experts_read: float | None = None) -> float:
+    """Weights a pass of `tokens` tokens reads from memory: all of a dense model's body; an MoE
+    model's dense parts plus, per sparse layer, the union of the experts its tokens chose
+    (`experts_read`: measured, else `expected_experts`)."""
+    if cfg.moe is None:
+        return cfg.body_params()
+    union = expected_experts(cfg, tokens) if experts_read is None else experts_read
+    sparse = sum(cfg.moe.is_sparse(i) for i in range(cfg.n_layers))
+    per_expert = 3 * cfg.d_model * cfg.moe.expert_dim
+    return cfg.body_params(active=True) + sparse * (union - cfg.moe.top_k) * per_expert
 
 
 def pass_cost(cfg: ModelConfig, tokens: int, attended: int, logit_rows: int, rows: int = 1,
-              dtype_bytes: int = 4) -> PassCost:
+              dtype_bytes: int = 4, experts_read: float | None = None) -> PassCost:
     """One forward pass: `rows` sequences of `tokens` new tokens attending to `attended` positions,
-    the LM head on `logit_rows` positions each."""
+    the LM head on `logit_rows` positions each (an MoE model reads the experts its tokens chose)."""
     bt, br = rows * tokens, rows * logit_rows
     body, head = body_params(cfg), cfg.d_model * cfg.vocab_size
     kv_width = 2 * cfg.n_kv_heads * cfg.head_dim * cfg.n_layers  # K and V, every layer, one position
     attention = 4 * attended * cfg.n_heads * cfg.head_dim * cfg.n_layers * bt
     head_flops = 2 * head * br
     flops = 2 * body * bt + attention + head_flops
-    weights = (body + head) * dtype_bytes
+    weights = (body_bytes_read(cfg, bt, experts_read) + head) * dtype_bytes
     kv = (rows * attended + bt) * kv_width * dtype_bytes
     activations = (6 * cfg.d_model + 3 * cfg.ffn_dim) * cfg.n_layers * bt * dtype_bytes
     logits = br * cfg.vocab_size * 4

@@ -46,3 +46,19 @@ class PeakMemory:
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self.base
         else:
             self.bytes = max(0, _status_kib("VmHWM") * 1024 - self.base)
+
+
+def load_footprint(model: str, device: str, dtype: str) -> dict:
+    """What loading a checkpoint costs in memory: the weights as held, and the process's peak
+    resident size during the load over its size before it (on the CPU: VmHWM; on CUDA, the
+    allocator's peak). Run in a fresh process (`kstep bench load`) so nothing else is resident."""
+    from kstep.layers.quantized import model_bytes
+    from kstep.llm import load
+    device_ = torch.device(device)
+    with PeakMemory(device_) as peak:
+        llm = load(model, device=device, dtype=dtype)
+    weights = model_bytes(llm.model)
+    files = sum(p.stat().st_size for p in Path(llm.path).glob("*.safetensors"))
+    return {"model": str(model), "dtype": dtype, "device": device, "params": llm.cfg.num_params,
+            "weights_bytes": weights, "checkpoint_bytes": files, "peak_bytes": peak.bytes,
+            "peak_over_weights": peak.bytes / weights}

@@ -96,15 +96,17 @@ def final_rows(completions: torch.Tensor, mask_id: int, stop_ids: torch.Tensor) 
 
 def prefix_step_output(decoder: Decoder, completions: torch.Tensor, committed: list[int], mask_id: int,
                        stop_ids: torch.Tensor, row_nfe: torch.Tensor, include_canvas: bool,
-                       finished: torch.Tensor | None = None) -> StepOutput:
+                       finished: torch.Tensor | None = None, canvas: torch.Tensor | None = None) -> StepOutput:
     """A StepOutput for a canvas decoder: rows commit their leading unmasked run; `committed` (the
     lengths reported so far) is updated in place. A row is finished (unless the decoder says) once
-    its completion is final (`final_rows`)."""
+    its completion is final (`final_rows`). `canvas`: what the canvas channel shows, when it holds
+    more than `completions` (tokens that may still change, shown there as masks)."""
     lengths = leading_unmasked(completions, mask_id).tolist()
     rows = completions.tolist()
     new = [row[old:length] for row, old, length in zip(rows, committed, lengths, strict=True)]
     if finished is None:
         finished = final_rows(completions, mask_id, stop_ids)
     committed[:] = lengths
+    shown = rows if canvas is None else canvas.tolist() if include_canvas else None
     return StepOutput(new, lengths, finished.tolist(), row_nfe.tolist(), decoder.nfe, decoder.is_finished,
-                      rows if include_canvas else None)
+                      shown if include_canvas else None)

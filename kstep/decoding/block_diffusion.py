@@ -1,48 +1,43 @@
-"""Block-diffusion decoding (BD3-LM, arXiv:2503.09573): Fast-dLLM v2 (NVlabs/Fast-dLLM `v2/`,
-the checkpoint's `modeling.py` `generate`) and SDAR (JetAstra/SDAR `generate.py`, the evaluation's
-`huggingface_bd3.py`).
+"""Block-diffusion decoding (BD3-LM, arXiv:2503.09573): Fast-dLLM v2 (NVlabs/Fast-dLLM `v2/`, the
+checkpoint's `modeling.py` `generate`), SDAR (JetAstra/SDAR `generate.py`, `huggingface_bd3.py`) and
+LLaDA2 (inclusionAI, the checkpoint's `generate`; LLaDA2.1's token editing in token_editing.py).
 
 Attention is bidirectional inside a block of `block_length` positions (aligned to position 0) and
 causal across blocks. The prompt's whole blocks run once (a block-causal prefill into the cache);
-its tail shares the first block. A block is denoised pass by pass, each pass running the block
-against the cache of the blocks before it; once it has no masks, one more pass over its final
-tokens writes its keys/values into the cache (the commit), exact from then on: no later pass
-changes them, so a finished block is never recomputed.
+its tail shares the first block. A block is denoised pass by pass against the cache of the blocks
+before it; once it has no masks, a pass over its final tokens writes its keys/values (the commit),
+exact from then on: a finished block is never recomputed.
 
-Each pass unmasks, among the masks of the current block (Fast-dLLM v2: of its current sub-block of
-`sub_block_length`), every one whose confidence is above the threshold, and at least the schedule's
-count (1 without `steps`; SDAR's `low_confidence_dynamic`; with threshold 1 one token per pass), or
-with `steps` and no threshold exactly the schedule's count (SDAR's static rule: `steps` passes per
-block, the block's tokens split evenly, the remainder first).
+Each pass unmasks, among the masks of the current block (Fast-dLLM v2: of its current sub-block),
+every one whose confidence (the sampled token's probability under the tempered, filtered
+distribution it came from, as the references score it) is above the threshold (strict), and at
+least the schedule's count (1 without `steps`; SDAR's `low_confidence_dynamic`, LLaDA2's rule), or with
+`steps` and no threshold exactly the schedule's count (SDAR's static rule: the block split evenly
+over `steps` passes, the remainder first; LLaDA2 caps steps at max_tokens as its generate).
 
 Fast-dLLM v2 keeps its AR parent's logit shift: the token at j is read from the output at j - 1, and
-a block's first token is the argmax of the commit pass's last output (an AR step). SDAR reads the
-token at j from the output at j. A row stops once a stop token has nothing masked before it (the
-references finish or store that block first; the tokens cannot differ, only the passes).
+a block's first token is the argmax of the commit pass's last output. SDAR and LLaDA2 read the token
+at j from the output at j. A row stops once a stop token has nothing masked before it (the
+references finish that block first: the tokens cannot differ, only the passes).
 
-`fused_commit` (kstep's default; off with `exact`) drops the commit's own pass: a row whose block is
-finished runs [finished block; next block] in its next pass, block-causal, as the training pass's
-[clean; noisy] pairs do, so the finished block's keys are written and the next block gets its first
-denoising pass at once. SDAR's tokens do not change (the next block sees the same keys). A shifted
-model's next first token is still the finished block's last output (an AR step) but the next block's
-other positions are predicted with it masked, so Fast-dLLM v2's tokens may differ from its reference. The fused pass is a commit and a denoising
-pass; the commit's first token counts toward the pass's minimum (forcing one more token, predicted
-without the first, cost 11 points of parse rate on the block coder at threshold 0.9 for +0.04 tokens
-per pass).
-Rows of the batch that are not committing run their block and a scratch block after it (masks, never
-attended, overwritten when that block is reached).
-
-Rows of a batch keep their own blocks (prompts of different lengths end at different offsets in their
-blocks); every pass is one block per row, packed as one ragged pass.
+`fused_commit` (default; off with `exact`) drops the commit's own pass: a row whose block is
+finished runs [finished block; next block] in its next pass, block-causal like the training pass's
+[clean; noisy] pairs, so the finished block's keys are written and the next block gets its first
+denoising pass at once. Unshifted models' tokens do not change; Fast-dLLM v2's next block is
+predicted with its first token masked, so its tokens may differ from its reference. The commit's
+first token counts toward the pass's minimum. Rows not committing run their block and a scratch
+block after it (masks, never attended). Rows keep their own blocks; every pass is one ragged pass.
 """
 from dataclasses import dataclass
 
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, final_rows, prefix_step_output
-from kstep.decoding.sampling import constrain_outputs, sample_tokens
+from kstep.decoding.block_unmask import unmask_block
+from kstep.decoding.sampling import constrain_outputs
 from kstep.decoding.schedule import num_transfer_tokens
-from kstep.decoding.unmask import choose_top, confidence_rule
+from kstep.decoding.token_editing import TokenEditing
+from kstep.decoding.unmask import confidence_rule
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner
@@ -55,6 +50,7 @@ DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase
 class BlockRules:
     """What differs between the block-diffusion references."""
     is_shifted: bool          # Fast-dLLM v2: the token at j from the output at j - 1; a commit gives the next first token
+    steps_capped: bool = False  # LLaDA2: passes per block = min(steps, max_tokens), steps defaulting to the block
 
 
 class BlockDiffusionDecoder(Decoder):
@@ -84,10 +80,17 @@ class BlockDiffusionDecoder(Decoder):
         self.block_starts = self.prompt_lengths // bs * bs  # (B,) position of each row's current block
         self.phase = torch.full((B,), DENOISE, dtype=torch.long, device=device)
         self.passes_in_block = torch.zeros(B, dtype=torch.long, device=device)
-        self.schedule = None if params.steps is None else \
-            num_transfer_tokens(torch.tensor([bs]), params.steps)[0].to(device)  # (steps,)
+        self.editing = None if params.editing_threshold is None else \
+            TokenEditing(params.editing_threshold, params.max_post_steps, B, device)
+        steps = params.steps
+        if rules.steps_capped and self.editing is None:  # LLaDA2.0's generate: min(steps, gen_length)
+            steps = min(steps or bs, N)
+        self.schedule = None if steps is None else num_transfer_tokens(torch.tensor([bs]), steps)[0].to(device)
         self.rule = confidence_rule(params.remasking)
         self.needs_prefill = bool((self.prompt_lengths >= bs).any())
+        # An unshifted model's prefill also runs every row's first block (block-causal: the prompt's
+        # blocks get the same keys), so it is that block's first denoising pass too: one pass fewer.
+        self.fused_prefill = self.fused and not rules.is_shifted
         # A prompt's whole blocks do not depend on what follows them (block-causal), so requests with
         # the same prompt share them like an AR prefix: whole cache blocks that are whole model blocks,
         # one prompt per decoder (unpadded, every row the same).
@@ -114,7 +117,14 @@ class BlockDiffusionDecoder(Decoder):
                 whole = W // bs * bs
                 start = self.prefix_cache.load(self.canvas[0, :whole].tolist(), self.kv, whole - bs)
                 self.num_cached_tokens = start
-            return [self.runner.block_prefill_pass(self.canvas[:, :W], key_mask, bs, self.kv, start)]
+            if not self.fused_prefill:
+                return [self.runner.block_prefill_pass(self.canvas[:, :W], key_mask, bs, self.kv, start)]
+            # slots [0, W + bs) hold every row's first block; columns [W - bs, W + bs) predict them
+            end = W + bs
+            key_mask = None if bool(self.real[:, :end].all()) else self.real[:, :end]
+            prefill = self.runner.block_prefill_pass(self.canvas[:, :end], key_mask, bs, self.kv, start)
+            prefill.logits_from, prefill.logits_to = W - bs - start, end - start  # the prefix cache keeps a block
+            return [prefill]
         bs = self.params.block_length
         width = 2 * bs if self._fuses_commit() else bs
         starts = self.pads + self.block_starts  # (B,) slot of each row's block
@@ -137,7 +147,8 @@ class BlockDiffusionDecoder(Decoder):
         block = self.canvas.gather(1, (self.pads + self.block_starts + half * bs)[:, None] + offsets)
         source = (half[:, None] * bs + offsets - int(self.rules.is_shifted)).clamp(min=0)  # (B, bs)
         read = torch.zeros(width, dtype=torch.bool, device=half.device)
-        read[source[(block == self.mask_id) & active[:, None]]] = True
+        wanted = block == self.mask_id if self.editing is None else torch.ones_like(block, dtype=torch.bool)  # edits
+        read[source[wanted & active[:, None]]] = True
         if width == bs and bool(committing.any()):  # a commit pass of its own: its last output
             read[-1] = True
         return read.nonzero().squeeze(1)
@@ -151,6 +162,12 @@ class BlockDiffusionDecoder(Decoder):
         self.nfe += 1
         if self.needs_prefill:
             self._after_prefill(logits)
+            if self.fused_prefill:  # each row's block sits at its own offset in the window of 2 * bs
+                active, bs = self.phase != DONE, self.params.block_length
+                offset = self.pads + self.block_starts - (self.prompt_width - bs)  # (B,) in [1, bs]
+                source = offset[:, None] + torch.arange(bs, device=offset.device)
+                self.row_nfe += active & ~(self.prompt_lengths >= bs)
+                self._denoise(logits.gather(1, source[:, :, None].expand(-1, -1, logits.shape[-1])), active)
         else:
             active = self.phase != DONE
             self.row_nfe += active
@@ -213,47 +230,33 @@ class BlockDiffusionDecoder(Decoder):
         starts = self.pads + self.block_starts
         index = starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
         block = self.canvas.gather(1, index)
-        output_index = self.block_starts[:, None] + torch.arange(bs, device=starts.device) - self.prompt_lengths[:, None]
-        logits = constrain_outputs(logits, output_index, self.stop_ids, p.min_tokens, self.first_allowed)
-        proposal = logits.clone()
-        proposal[..., self.mask_id] = float("-inf")  # a masked position must become a token
-        tokens = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, bs)
-        confidence = self.rule(logits, tokens, self.generator).float()
-        is_masked = (block == self.mask_id) & self._open_columns(block) & rows[:, None]
-        confidence = confidence.masked_fill(~is_masked, float("-inf"))
+        positions = self.block_starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
+        logits = constrain_outputs(logits, positions - self.prompt_lengths[:, None], self.stop_ids, p.min_tokens,
+                                   self.first_allowed)
         count = torch.ones_like(self.passes_in_block) if self.schedule is None else \
             self.schedule[self.passes_in_block.clamp(max=len(self.schedule) - 1)]
         if already is not None:
             count = (count - already).clamp(min=0)
-        count = torch.minimum(count, is_masked.sum(-1))
-        chosen = choose_top(confidence, count, bs)
-        if p.policy.kind == "threshold":
-            above = confidence > p.policy.value  # strict, as both references
-            chosen = torch.where((above.sum(-1) >= count)[:, None], above, chosen)
-        chosen &= is_masked
+        editable = (block != self.mask_id) & (positions >= self.prompt_lengths[:, None])  # token editing's
+        tokens, chosen = unmask_block(block, logits, rows, count, p, self.mask_id, self.rule, self.generator,
+                                      self.editing, editable)
         self.canvas.scatter_(1, index, torch.where(chosen, tokens, block))
         self.passes_in_block += rows
-
-    def _open_columns(self, block: torch.Tensor) -> torch.Tensor:
-        """(B, bs) the columns a pass may unmask: the first sub-block that still has a mask."""
-        sub = self.params.sub_block_length
-        if sub >= block.shape[1]:
-            return torch.ones_like(block, dtype=torch.bool)
-        has_mask = (block == self.mask_id).view(block.shape[0], -1, sub).any(-1)  # (B, num_sub)
-        first = torch.where(has_mask.any(-1), has_mask.float().argmax(-1), 0)  # (B,)
-        return (torch.arange(block.shape[1], device=block.device) // sub) == first[:, None]
 
     def _commit(self, last_logits: torch.Tensor, rows: torch.Tensor) -> None:
         """This pass wrote the finished block's exact keys/values; the next block begins (its first
         token from the finished block's last output `last_logits` (B, V) when shifted)."""
         if not bool(rows.any()):
             return
+        self._next_block(rows)
+        if self.rules.is_shifted:
+            self._write_first_token(last_logits, rows, self.block_starts)
+
+    def _next_block(self, rows: torch.Tensor) -> None:
         bs = self.params.block_length
         self.block_starts = torch.where(rows, self.block_starts + bs, self.block_starts)
         self.passes_in_block = torch.where(rows, 0, self.passes_in_block)
         self.phase = torch.where(rows, DENOISE, self.phase)
-        if self.rules.is_shifted:
-            self._write_first_token(last_logits, rows, self.block_starts)
 
     def _update_phases(self) -> None:
         """Denoised blocks go to commit; a row is done once its completion is final."""
@@ -261,18 +264,26 @@ class BlockDiffusionDecoder(Decoder):
         starts = self.pads + self.block_starts
         block = self.canvas.gather(1, starts[:, None] + torch.arange(bs, device=starts.device))
         is_complete = ~(block == self.mask_id).any(-1)
-        done = self._is_final()  # a final row needs no commit: nothing after it is read
         to_commit = (self.phase == DENOISE) & is_complete
-        self.phase = torch.where(done, DONE, torch.where(to_commit, COMMIT, self.phase))
+        if self.editing is not None:  # a block ends when editing has converged, or by the cap
+            exact, to_commit = self.editing.block_ends(to_commit)
+            self._next_block(exact)  # its keys are already exact in the cache: nothing to commit
+        self.phase = torch.where(to_commit, COMMIT, self.phase)
+        self.phase = torch.where(self._is_final(), DONE, self.phase)  # a final row needs no commit
         if bool((self.phase == DONE).all()):
             self.is_finished, self.kv = True, None
 
     def _is_final(self) -> torch.Tensor:
         """(B,) rows whose completion can no longer change (`final_rows`; with ignore_eos, no stops)."""
         stops = self.stop_ids[:0] if self.params.ignore_eos else self.stop_ids
-        return final_rows(self.completions(), self.mask_id, stops)
+        return final_rows(self._settled(), self.mask_id, stops)
 
-    # --- results ----------------------------------------------------------------------------------
+    def _settled(self) -> torch.Tensor:
+        """The completions, with the tokens token editing may still change shown as masks."""
+        if self.editing is None:
+            return self.completions()
+        ended = self.block_starts + self.params.block_length * (self.phase == COMMIT)  # (B,)
+        return self.editing.settled(self.completions(), self.prompt_lengths, ended, self.phase == DONE, self.mask_id)
 
     def completions(self) -> torch.Tensor:
         """(B, max_tokens): each row's positions after its prompt (masks where not decided)."""
@@ -280,5 +291,5 @@ class BlockDiffusionDecoder(Decoder):
         return self.canvas[:, W:W + self.params.max_tokens]
 
     def _output(self) -> StepOutput:
-        return prefix_step_output(self, self.completions(), self.lengths, self.mask_id, self.stop_ids, self.row_nfe,
-                                  self.include_canvas, finished=self.phase == DONE)
+        return prefix_step_output(self, self._settled(), self.lengths, self.mask_id, self.stop_ids, self.row_nfe,
+                                  self.include_canvas, finished=self.phase == DONE, canvas=self.completions())

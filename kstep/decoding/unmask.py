@@ -13,7 +13,8 @@ from collections.abc import Callable
 import torch
 
 from kstep.decoding.schedule import num_transfer_tokens
-from kstep.params import REMASKING_RULES, UnmaskPolicy
+from kstep.decoding.sampling import sampling_probs
+from kstep.params import REMASKING_RULES, GenerationParams, UnmaskPolicy
 
 ConfidenceRule = Callable[[torch.Tensor, torch.Tensor, torch.Generator | None], torch.Tensor]
 
@@ -39,6 +40,14 @@ def entropy(logits, candidates, generator):
 
 UNMASK_RULES: dict[str, ConfidenceRule] = dict(zip(REMASKING_RULES, (low_confidence, random_confidence, margin,
                                                                        entropy), strict=True))
+
+
+def sampled_probability(logits: torch.Tensor, tokens: torch.Tensor, params: GenerationParams) -> torch.Tensor:
+    """(B, T) each sampled token's probability under the distribution it was drawn from: softmax(logits)
+    at temperature 0, else the tempered, top-k / top-p filtered one (the block-diffusion references'
+    confidence: SDAR's generate.py, Fast-dLLM v2's and LLaDA2's samplers; with top_k 1 it is 1)."""
+    probs = logits.float().softmax(-1) if params.temperature == 0 else sampling_probs(logits, params)
+    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float()
 
 
 def confidence_rule(name: str) -> ConfidenceRule:

@@ -49,10 +49,14 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
 
     Transposed because `x @ W` with W laid out (in, out) runs 1.1-1.3x faster than `F.linear` with
     (out, in) for the few-row matmuls of decoding on this CPU's MKL (docs: shared/research/machine.md),
-    and the same at hundreds of rows."""
+    and the same at hundreds of rows. Only in float32: a bf16/fp16 matmul against an (in, out)
+    contiguous weight falls off oneDNN's fast path (20-30x slower on an AVX2 CPU), so there the
+    weight stays (out, in) in memory and `project` multiplies by its transposed view."""
     if not all(type(m) is nn.Linear for m in linears):
         return None
-    weight = torch.cat([m.weight.data for m in linears]).t().contiguous()  # (in, out)
+    weight = torch.cat([m.weight.data for m in linears]).t()  # (in, out), a view of (out, in) storage
+    if weight.dtype == torch.float32:
+        weight = weight.contiguous()
     bias = None if linears[0].bias is None else torch.cat([m.bias.data for m in linears])
     offset = 0
     for m in linears:

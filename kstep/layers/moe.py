@@ -129,6 +129,14 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, d_model, 2 * expert_dim))
         self.down = nn.Parameter(torch.empty(num_experts, expert_dim, d_model))
 
+    def fuse(self) -> None:
+        """For inference outside float32: keep each expert's weights (out, in) in memory, as
+        `fuse_linears` does (bf16/fp16 matmuls want that layout); the parameters' shapes stay."""
+        if self.gate_up.dtype != torch.float32:
+            for name in ("gate_up", "down"):
+                weight = getattr(self, name).data
+                getattr(self, name).data = weight.transpose(1, 2).contiguous().transpose(1, 2)
+
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x (N, D) -> (N, D): each token's routed outputs, weighted and summed in float32."""
         N, k = routing.expert_ids.shape
@@ -177,6 +185,7 @@ class SparseMoE(nn.Module):
         self.last_routing: Routing | None = None
 
     def fuse(self) -> None:
+        self.experts.fuse()
         if self.shared is not None:
             self.shared.fuse()
 

@@ -34,6 +34,12 @@ class MoEConfig:
     def is_sparse(self, layer_idx: int) -> bool:
         return layer_idx not in self.dense_layers
 
+    def expected_experts(self, tokens: float) -> float:
+        """Distinct experts a sparse layer reads for `tokens` tokens, each choosing top_k of E
+        (uniformly, independently): E (1 - (1 - k/E)^T). One token reads k; a block of 32 on
+        LLaDA2.0-mini (k = 8 of 256) about 160."""
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** tokens)
+
     def layer_params(self, d_model: int) -> int:
         """Weights of one sparse layer's feed-forward (router, every expert, shared experts)."""
         return d_model * self.num_experts + 3 * d_model * (self.num_experts * self.expert_dim + self.shared_dim)

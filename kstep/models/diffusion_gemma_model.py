@@ -58,10 +58,12 @@ class DiffusionGemma(nn.Module):
                 self.inv_freqs[kind] = inv_freq(dims.pop(), theta, fraction, device)
 
     def fuse_projections(self) -> None:
-        """Inference only: the gated MLPs' gate and up as one matmul (layers/mlp.py)."""
+        """Inference only: the gated MLPs' gate and up as one matmul (layers/mlp.py), the experts in
+        the memory layout of the dtype (layers/moe.py)."""
         self.sc_mlp.fuse()
         for layer in self.layers:
             layer.mlp.fuse()
+            layer.experts.fuse()
 
     def allocate_kv(self, batch: int, length: int) -> KVCache:
         """One sequence's cache, each layer in its own geometry; every slot is kept (a sliding layer

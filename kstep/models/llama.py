@@ -44,16 +44,19 @@ def parse_config(raw: dict, family: str, attention: str) -> ModelConfig:
 
 
 def to_raw_config(cfg: ModelConfig) -> dict:
-    """config.json as `LlamaForCausalLM` writes it (for checkpoints kstep writes)."""
-    if cfg.family != "llama" or cfg.qkv_bias != cfg.out_bias:
-        raise ValueError("kstep writes AR checkpoints in the plain LLaMA layout only")
+    """config.json as `LlamaForCausalLM` / `Qwen2ForCausalLM` write it (for checkpoints kstep writes)."""
+    qwen2 = cfg.family == "qwen2"
+    if cfg.family not in ("llama", "qwen2") or (not qwen2 and cfg.qkv_bias != cfg.out_bias) or \
+            (qwen2 and (not cfg.qkv_bias or cfg.out_bias)):
+        raise ValueError("kstep writes AR checkpoints in the LLaMA layout or Qwen2's (q/k/v biases only)")
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"], "model_type": cfg.family,
         "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_positions,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
-        "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias, "tie_word_embeddings": cfg.tie_embeddings,
+        **({} if qwen2 else {"attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias}),
+        "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
         "eos_token_id": cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids),
     }

@@ -1,0 +1,123 @@
+"""`kstep bench moe|load|passes`: the benchmarks of what real model sizes cost (the MoE layer and
+its floors, a checkpoint's loading memory, one pass at a published shape). Each reports ratios
+against a baseline measured in the same run."""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kstep.flags import add_command, add_device_flags, check_positive, positive_ints, set_threads
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def add_moe(kinds) -> None:
+    moe = add_command(kinds, "moe", "the sparse MoE layer vs the same FLOPs done densely; MoE floors on accelerators")
+    moe.add_argument("--shapes", default="llada2-2b:llada2_moe,lladamoe-7b:llada_moe,llada2-mini:llada2_moe",
+                     help="SHAPE:FAMILY,... (kstep/shapes.py; `tiny` = the test models' sizes); one layer each")
+    moe.add_argument("--tokens", default="1,8,32,256", help="tokens per pass")
+    moe.add_argument("--dtypes", default="float32,bfloat16")
+    moe.add_argument("--repeats", type=int, default=7)
+    moe.add_argument("--gpus", default="a100-80gb,h100-sxm,h200", help="data-sheet accelerators for the floors")
+    moe.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    moe.add_argument("--out", default="out/bench")
+    moe.set_defaults(run=run_moe)
+
+
+def run_moe(args: argparse.Namespace) -> int:
+    import torch
+
+    from kstep.bench.cost_model import ACCELERATORS
+    from kstep.bench.moe import floor_table, format_report, run_layer_bench
+    from kstep.llm import resolve_dtype
+    from kstep.registry import FAMILIES
+    from kstep.shapes import SHAPES
+    shapes = [tuple(item.split(":")) for item in args.shapes.split(",") if item]
+    for item in shapes:
+        if len(item) != 2 or (item[0] not in SHAPES and item[0] != "tiny") or item[1] not in FAMILIES \
+                or FAMILIES[item[1]].layout.__name__.split(".")[-1] not in ("llada2_moe", "llada_moe"):
+            raise ValueError(f"--shapes: {':'.join(item)!r} is not SHAPE:FAMILY with a known shape and an MoE family")
+    gpus = [g for g in args.gpus.split(",") if g]
+    if any(g not in ACCELERATORS for g in gpus):
+        raise ValueError(f"--gpus: choose from {', '.join(ACCELERATORS)}")
+    check_positive(args, "repeats")
+    set_threads(args.threads)
+    dtypes = [resolve_dtype(d) for d in args.dtypes.split(",")]
+    tokens = positive_ints("--tokens", args.tokens)
+    layer_rows = run_layer_bench(shapes, tokens, dtypes, args.repeats, progress=_progress)
+    floors = floor_table(gpus, [4, 8, 16, 32])
+    report = format_report(layer_rows, floors)
+    print(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_moe.json").write_text(json.dumps({"threads": torch.get_num_threads(), "layers": layer_rows,
+                                                   "floors": floors}, indent=2) + "\n")
+    (out / "bench_moe.md").write_text(report + "\n")
+    return 0
+
+
+def add_load(kinds) -> None:
+    load = add_command(kinds, "load", "peak memory of loading a checkpoint, against its weights")
+    load.add_argument("--model", required=True, help="checkpoint directory or bundled name")
+    add_device_flags(load)
+    load.add_argument("--out", default=None, help="also write the figures as JSON here")
+    load.set_defaults(run=run_load)
+
+
+def run_load(args: argparse.Namespace) -> int:
+    from kstep.bench.memory import load_footprint
+    row = load_footprint(args.model, args.device, args.dtype)
+    gib = 1024 ** 3
+    print(f"{row['model']}: {row['params'] / 1e9:.2f} B parameters, weights {row['weights_bytes'] / gib:.2f} GiB "
+          f"({row['dtype']}; checkpoint files {row['checkpoint_bytes'] / gib:.2f} GiB), peak while loading "
+          f"{row['peak_bytes'] / gib:.2f} GiB = {row['peak_over_weights']:.2f}x the weights")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(row, indent=2) + "\n")
+    return 0
+
+
+PASS_SHAPES = ("llama:bundled-3m,llama:dense-60m,qwen2:qwen2.5-0.5b,qwen2:qwen2.5-1.5b,llada:llada-1b,"
+               "sdar:qwen3-1.7b")
+
+
+def add_passes(kinds) -> None:
+    passes = add_command(kinds, "passes", "one pass at real model sizes: the AR step vs block and window passes, "
+                         "against floors measured in the same run")
+    passes.add_argument("--shapes", default=PASS_SHAPES,
+                        help="FAMILY:SHAPE,... (kstep/shapes.py, or bundled-3m / dense-60m)")
+    passes.add_argument("--dtypes", default="float32,bfloat16")
+    passes.add_argument("--context", type=int, default=512, help="cached positions the passes attend to")
+    passes.add_argument("--repeats", type=int, default=5)
+    passes.add_argument("--threads", type=int, default=None)
+    passes.add_argument("--out", default="out/bench")
+    passes.set_defaults(run=run_passes)
+
+
+def run_passes(args: argparse.Namespace) -> int:
+    import torch
+
+    from kstep.bench.passes import BUNDLED_SIZES, format_table, measure_shape, plot_ratio
+    from kstep.llm import resolve_dtype
+    from kstep.registry import FAMILIES
+    from kstep.shapes import SHAPES
+    shapes = [tuple(item.split(":")) for item in args.shapes.split(",") if item]
+    for item in shapes:
+        if len(item) != 2 or item[0] not in FAMILIES or (item[1] not in SHAPES and item[1] not in BUNDLED_SIZES):
+            raise ValueError(f"--shapes: {':'.join(item)!r} is not FAMILY:SHAPE (shapes: "
+                             f"{', '.join([*BUNDLED_SIZES, *SHAPES])})")
+    check_positive(args, "repeats", "context")
+    set_threads(args.threads)
+    rows = []
+    for dtype in [resolve_dtype(d) for d in args.dtypes.split(",")]:
+        for family, shape in shapes:
+            rows += measure_shape(family, shape, dtype, args.context, args.repeats, progress=_progress)
+    print(format_table(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_passes.json").write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=2))
+    (out / "bench_passes.md").write_text(format_table(rows) + "\n")
+    plot_ratio(rows, out / "pass_over_step.png")
+    return 0

@@ -1,0 +1,49 @@
+"""One unmask step of a block-diffusion block (decoding/block_diffusion.py): which masks a pass
+fills, and, with token editing, which filled tokens it replaces.
+
+Among the masks of the block (Fast-dLLM v2: of its first sub-block that still has one), every one
+whose confidence is above the threshold (strict, as the references), when at least the count are;
+else the count most confident (SDAR's `low_confidence_dynamic`, LLaDA2's rule; without a threshold,
+exactly the count: SDAR's static schedule). Confidence is the sampled token's probability under the
+tempered, top-k/top-p filtered distribution it was drawn from, as all three references score it
+(SDAR's generate.py, Fast-dLLM v2's and LLaDA2's samplers), or another remasking rule's score.
+"""
+import torch
+
+from kstep.decoding.sampling import sample_tokens
+from kstep.decoding.token_editing import TokenEditing
+from kstep.decoding.unmask import ConfidenceRule, choose_top, sampled_probability
+from kstep.params import GenerationParams
+
+
+def open_columns(block: torch.Tensor, mask_id: int, sub_block: int) -> torch.Tensor:
+    """(B, bs) the columns a pass may unmask: the first sub-block that still has a mask."""
+    if sub_block >= block.shape[1]:
+        return torch.ones_like(block, dtype=torch.bool)
+    has_mask = (block == mask_id).view(block.shape[0], -1, sub_block).any(-1)  # (B, num_sub)
+    first = torch.where(has_mask.any(-1), has_mask.float().argmax(-1), 0)  # (B,)
+    return (torch.arange(block.shape[1], device=block.device) // sub_block) == first[:, None]
+
+
+def unmask_block(block: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, count: torch.Tensor,
+                 params: GenerationParams, mask_id: int, rule: ConfidenceRule, generator: torch.Generator | None,
+                 editing: TokenEditing | None, editable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """block (B, bs) ids, logits (B, bs, V) predicting them, `rows` (B,) that step, `count` (B,) the
+    schedule's minimum, `editable` (B, bs) what token editing may replace -> (tokens (B, bs),
+    chosen (B, bs)): where the block takes `tokens`."""
+    proposal = logits.clone()
+    proposal[..., mask_id] = float("-inf")  # a masked position must become a token
+    tokens = sample_tokens(proposal, params.temperature, generator, params.top_k, params.top_p)  # (B, bs)
+    probs = sampled_probability(logits, tokens, params)  # (B, bs)
+    confidence = probs if params.remasking == "low_confidence" else rule(logits, tokens, generator).float()
+    is_masked = (block == mask_id) & open_columns(block, mask_id, params.sub_block_length) & rows[:, None]
+    confidence = confidence.masked_fill(~is_masked, float("-inf"))
+    count = torch.minimum(count, is_masked.sum(-1))
+    chosen = choose_top(confidence, count, block.shape[1])
+    if params.policy.kind == "threshold":
+        above = confidence > params.policy.value
+        chosen = torch.where((above.sum(-1) >= count)[:, None], above, chosen)
+    chosen &= is_masked
+    if editing is not None:
+        chosen |= editing.edits(block, tokens, probs, block == mask_id, editable, rows)
+    return tokens, chosen
