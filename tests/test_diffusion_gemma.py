@@ -53,8 +53,15 @@ def test_forward_logits_match_both_modes_with_and_without_self_conditioning(peak
     V = llm.cfg.vocab_size
     first, second = torch.randint(0, V, (2, 8), generator=g), torch.randint(0, V, (2, 8), generator=g)
     sc_logits = torch.randn(2, 8, V, generator=g) * 4
+    # encoder mode: the causal pass's final hidden states (the prompt is longer than the window)
+    from transformers.cache_utils import DynamicCache
+    with torch.no_grad():
+        hf_hidden = hf.model.encoder(input_ids=PROMPTS, cache=DynamicCache(config=hf.config.get_text_config(
+            decoder=True))).last_hidden_state
+        hidden = llm.model.hidden_states(PROMPTS, torch.arange(11).expand(2, -1))
+    assert (llm.model.logits(hidden) - llm.model.logits(hf_hidden)).abs().max() < 2e-5
     want, cache = hf_forward(hf, PROMPTS, first)
-    assert (want - kstep_forward(llm, PROMPTS, [first])).abs().max() < 2e-5  # observed ~3e-6
+    assert (want - kstep_forward(llm, PROMPTS, [first])).abs().max() < 2e-5  # observed ~6e-6
     want, _ = hf_forward(hf, PROMPTS, first, sc_logits)
     assert (want - kstep_forward(llm, PROMPTS, [first], sc_logits)).abs().max() < 2e-5
     # a commit's encoder pass with a cache (the sliding layers' window now holds prompt tokens), then
@@ -247,3 +254,23 @@ def test_config_forms_transformers_accepts(gemma_path):
             parse_config({**raw, "text_config": {**raw["text_config"], **change}}, "diffusion_gemma", "two_mode")
     cfg = kstep.load(gemma_path).cfg  # active parameters: top-2 of 4 experts
     assert cfg.num_active_params < cfg.num_params
+
+
+def test_generation_config_supplies_the_defaults(gemma_path, tmp_path):
+    import json
+    import shutil
+    shutil.copytree(gemma_path, tmp_path / "ck")
+    gen_path = tmp_path / "ck" / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    gen.update(max_denoising_steps=7, t_max=0.9, sampler_config={"_cls_name": "EntropyBoundSamplerConfig",
+                                                                  "entropy_bound": 0.3})
+    gen_path.write_text(json.dumps(gen))
+    llm = kstep.load(tmp_path / "ck")
+    resolved = llm.resolve(kstep.GenerationParams())
+    assert (resolved.max_denoising_steps, resolved.t_max, resolved.entropy_bound, resolved.t_min) == (7, 0.9, 0.3, 0.4)
+    assert llm.resolve(kstep.GenerationParams(max_denoising_steps=3)).max_denoising_steps == 3  # the request's wins
+    assert llm.stop_ids[:2] == STOP_IDS  # its end tokens, a list
+    gen["sampler_config"]["_cls_name"] = "OtherSampler"
+    gen_path.write_text(json.dumps(gen))
+    with pytest.raises(ValueError, match="sampler_config 'OtherSampler' is not supported"):
+        kstep.load(tmp_path / "ck")
