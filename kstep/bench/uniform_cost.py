@@ -9,17 +9,12 @@ prefix, sliding layers to at most W - 1 prefix tokens.
 
 The MoE block reads the weights of the union of experts its tokens chose: with T tokens routed
 independently and uniformly to k of E experts, E * (1 - (1 - k/E)^T) of them (an upper bound for a
-real router's skewed choices); its FLOPs are k experts per token. The dense weights (attention, the
+real router's skewed choices; MoEConfig.expected_experts); its FLOPs are k experts per token. The dense weights (attention, the
 dense MLP, the router) are read once per pass, the embedding once (head and soft embedding).
 """
 from kstep.bench.cost_model import PassCost
 from kstep.models.diffusion_gemma import DiffusionGemmaConfig
 from kstep.models.diffusion_gemma_layers import SLIDING
-
-
-def expected_expert_union(num_experts: int, top_k: int, tokens: float) -> float:
-    """Experts whose weights a pass of `tokens` uniformly routed tokens reads (per layer)."""
-    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
 def gemma_pass_cost(cfg: DiffusionGemmaConfig, tokens: int, prefix: float, is_decoder: bool, rows: int = 1,
@@ -29,7 +24,7 @@ def gemma_pass_cost(cfg: DiffusionGemmaConfig, tokens: int, prefix: float, is_de
     D, V, F, moe = cfg.d_model, cfg.vocab_size, cfg.ffn_dim, cfg.moe
     bt = rows * tokens
     expert = 3 * D * moe.expert_dim
-    union = expected_expert_union(moe.num_experts, moe.top_k, bt)
+    union = moe.expected_experts(bt)  # per layer
     dense = attention = kv = 0.0
     for kind, hd, kv_heads in zip(cfg.layer_types, cfg.layer_head_dims, cfg.layer_kv_heads):
         dense += D * hd * (2 * cfg.n_heads + (2 if kind == SLIDING else 1) * kv_heads) + 3 * D * F + D * moe.num_experts
