@@ -43,7 +43,10 @@ class PassCosts:
         """A step of one single-row pass (its whole step: pass, sampling, unmasking) refreshes the table."""
         if len(passes) == 1 and passes[0].ids.shape[0] == 1:
             p = passes[0]
-            self.observe(p.ids.shape[1], p.mask.shape[-1] if p.mask is not None else p.ids.shape[1], seconds)
+            attended = p.mask.shape[-1] if p.mask is not None else p.ids.shape[1]
+            if p.mode is not None:  # a two-mode pass (DiffusionGemma) attends to its cached prefix too
+                attended = p.cache_len
+            self.observe(p.ids.shape[1], attended, seconds)
 
     def calibrate(self, model, device: torch.device, max_positions: int, repeats: int = 3) -> None:
         """Time whole-sequence passes of a few lengths (random ids), the best of `repeats` each."""

@@ -17,12 +17,13 @@ from kstep.decoding.drafters import NGRAM
 from kstep.decoding.loop import decode_alone
 from kstep.layers.quantized import quantize_model
 from kstep.outputs import GenerationResult
-from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, GenerationParams, knob_applies
+from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, UNIFORM_DIFFUSION, GenerationParams, knob_applies
 from kstep.decoding.base import DecodeBatch, Decoder
 from kstep.registry import FAMILIES, DecoderResources
 from kstep.runner.prefix_cache import PrefixCache
 from kstep.runner.model_runner import ModelRunner
 from kstep.tokenizer import Tokenizer, load_tokenizer
+from kstep.uniform_budget import plan_uniform
 from kstep.weights import load_model, read_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,6 +78,8 @@ class LLM:
         `alg: origin`) are not taken: kstep's defaults decide those."""
         path = self.path / "generation_config.json"
         raw = read_json(path) if path.is_file() else {}
+        if hasattr(self.family.layout, "generation_defaults"):  # knobs under the checkpoint's own names
+            return self.family.layout.generation_defaults(raw)
         names = {"eps": "eps", "alg_temp": "alg_temp", "threshold": "threshold", "small_block_size": "sub_block_length",
                  "editing_threshold": "editing_threshold", "max_post_steps": "max_post_steps"}
         return {knob: raw[key] for key, knob in names.items() if raw.get(key) is not None
@@ -151,6 +154,8 @@ class LLM:
         bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"{what} token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if (image_id := getattr(self.cfg, "image_token_id", None)) is not None and image_id in ids:
+            raise ValueError(f"{what} contains the image token id {image_id}: {self.cfg.family} runs text only")
         if self.cfg.mask_token_id is not None and self.cfg.mask_token_id in ids:
             raise ValueError(f"{what} contains the mask token id {self.cfg.mask_token_id}, "
                              "which only the sampler may place")
@@ -182,6 +187,8 @@ class LLM:
             extra, why = params.num_draft_tokens + 1, " + num_draft_tokens + 1"
         elif self.family.kind == BLOCK_DIFFUSION:  # the last block may end up to a block past max_tokens
             extra, why = params.block_length, f" + block_length ({params.block_length})"
+        elif self.family.kind == UNIFORM_DIFFUSION:  # whole canvases
+            extra, why = -params.max_tokens % self.cfg.canvas_length, f" in canvases of {self.cfg.canvas_length}"
         if longest + params.max_tokens + extra > self.cfg.max_positions:
             what = f"max_tokens ({params.max_tokens})" + why
             raise ValueError(f"prompt ({longest} tokens) + {what} exceeds the model's context of "
@@ -219,6 +226,9 @@ class LLM:
         """The decoding that fits params.time_budget (budget.py), from this model's pass costs here;
         `load`: tokens per step of the batch the request joins (the server)."""
         self.calibrate_pass_costs()
+        if self.family.kind == UNIFORM_DIFFUSION:
+            return plan_uniform(self.pass_costs, params, prompt_len, self.cfg.canvas_length, params.time_budget,
+                                self.resolve, load)
         return plan(self.pass_costs, self.family.kind, params, prompt_len, suffix_len, params.time_budget,
                     self.resolve, load)
 

@@ -15,8 +15,14 @@ from typing import Literal
 from kstep.validation import check_int, check_number
 
 # The kinds of family: masked diffusion over a canvas (LLaDA, Dream), block diffusion (bidirectional
-# inside a block, causal across: Fast-dLLM v2, SDAR), autoregressive.
+# inside a block, causal across: Fast-dLLM v2, SDAR), autoregressive; uniform diffusion: canvases
+# that start from random tokens and are refined at every position each pass (DiffusionGemma).
 DIFFUSION, BLOCK_DIFFUSION, AUTOREGRESSIVE = "diffusion", "block-diffusion", "autoregressive"
+UNIFORM_DIFFUSION = "uniform-diffusion"
+GEMMA = ("diffusion_gemma",)
+# transformers' DiffusionGemmaGenerationConfig defaults, where the checkpoint's generation_config.json has none
+UNIFORM_DEFAULTS = {"max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
+                    "stability_threshold": 1, "confidence_threshold": 0.005}
 DENOISING = (DIFFUSION, BLOCK_DIFFUSION)
 DEFAULT_BLOCK_LENGTH = 32  # LLaDA-Instruct's recommended semi-autoregressive block
 # The fast default (Fast-dLLM's dual cache + confidence threshold): `kstep eval` measured it to hold
@@ -87,6 +93,19 @@ class GenerationParams:
                                                  "the checkpoint's generation_config, else off)", ("llada2_moe",))
     max_post_steps: int | None = knob(None, "token editing: passes after a block's last mask that may still edit it "
                                             "(LLaDA2.1's max_post_steps; default 16)", ("llada2_moe",))
+    max_denoising_steps: int | None = knob(None, "decoder passes per canvas at most (default: the checkpoint's "
+                                                 "generation_config, else 48)", GEMMA)
+    entropy_bound: float | None = knob(None, "each pass keeps the sampled tokens of the lowest-entropy positions "
+                                             "whose lower entropies sum to at most this, renoises the rest "
+                                             "(default 0.1)", GEMMA)
+    t_max: float | None = knob(None, "temperature of a canvas's first pass; the schedule falls linearly toward "
+                                     "t_min over the steps remaining (default 0.8)", GEMMA)
+    t_min: float | None = knob(None, "where the temperature schedule ends (default 0.4)", GEMMA)
+    stability_threshold: int | None = knob(None, "a canvas stops once its argmax equals that of this many passes "
+                                                 "before and it is confident (default 1; 0: always stable)", GEMMA)
+    confidence_threshold: float | None = knob(None, "confident: the canvas's mean entropy (nats) is below this "
+                                                    "(default 0.005; 0: never, every canvas runs all its steps)",
+                                              GEMMA)
     fused_commit: bool = knob(True, "block diffusion: a finished block's keys/values are written by the next "
                                     "block's first pass, not by a pass of their own (one pass fewer per block; "
                                     "exact, or off: the references' commit pass)", (BLOCK_DIFFUSION,))
@@ -125,6 +144,11 @@ class GenerationParams:
         check_number("time_budget", self.time_budget, 0, exclusive_low=True)
         check_number("editing_threshold", self.editing_threshold, 0, 1, exclusive_low=True)
         check_int("max_post_steps", self.max_post_steps, 0)
+        check_int("max_denoising_steps", self.max_denoising_steps, 1)
+        check_int("stability_threshold", self.stability_threshold, 0)
+        check_number("entropy_bound", self.entropy_bound, 0, exclusive_low=True)
+        for name in ("t_max", "t_min", "confidence_threshold"):
+            check_number(name, getattr(self, name), 0)
         for name in ("exact", "early_stop", "ignore_eos", "token_healing", "fused_commit"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -164,6 +188,11 @@ class GenerationParams:
             return replace(self, num_draft_tokens=draft_tokens, is_resolved=True)
         if kind == BLOCK_DIFFUSION:
             return self._resolve_block_diffusion()
+        if kind == UNIFORM_DIFFUSION:
+            filled = replace(self, **{k: v for k, v in UNIFORM_DEFAULTS.items() if getattr(self, k) is None})
+            if filled.t_max <= filled.t_min:
+                raise ValueError(f"t_max ({filled.t_max}) must be greater than t_min ({filled.t_min})")
+            return replace(filled, is_resolved=True)
         return self._resolve_diffusion(family in WHOLE_CANVAS_REFERENCE)
 
     @staticmethod

@@ -11,6 +11,8 @@ file in models/ and a decoder in decoding/ (or a reused one).
     llada_moe   llada_moe.py    bidirectional   diffusion       masked_diffusion.DiffusionDecoder
     llama    llama.py           causal          autoregressive  autoregressive (speculative with a draft)
     qwen2    llama.py           causal          autoregressive  autoregressive (speculative with a draft)
+    diffusion_gemma  diffusion_gemma.py  two_mode  uniform-diffusion  uniform_diffusion.UniformDiffusionDecoder
+                     (its own network: diffusion_gemma_model.py)
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +24,11 @@ from kstep.decoding.block_diffusion import BlockDiffusionDecoder, BlockRules
 from kstep.decoding.dream import DreamDecoder
 from kstep.decoding.masked_diffusion import DiffusionDecoder
 from kstep.decoding.speculative import SpeculativeDecoder
-from kstep.models import dream, fast_dllm_v2, llada, llada2_moe, llada_moe, llama, sdar
+from kstep.decoding.uniform_diffusion import UniformDiffusionDecoder
+from kstep.models import diffusion_gemma, dream, fast_dllm_v2, llada, llada2_moe, llada_moe, llama, sdar
+from kstep.models.diffusion_gemma_model import DiffusionGemma
 from kstep.models.config import ModelConfig
-from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, GenerationParams
+from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, UNIFORM_DIFFUSION, GenerationParams
 from kstep.runner.model_runner import ModelRunner
 from kstep.runner.prefix_cache import PrefixCache
 
@@ -60,6 +64,7 @@ class Family:
     sub_block_length: int | None = None  # block diffusion: unmask inside sub-blocks of this size (Fast-dLLM v2)
     threshold: float | None = None   # the reference sampler's confidence threshold, with steps too (LLaDA2: 0.95)
     config_test: Callable[[dict], bool] | None = None  # whether a config.json of a shared model_type is this family's
+    network: type | None = None      # its own nn.Module (None: models/transformer.py's Transformer)
 
     def parse_config(self, raw: dict) -> ModelConfig:
         return self.layout.parse_config(raw, self.name, self.attention)
@@ -107,6 +112,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            ("LLaDA2MoeModelLM",), ("llada2_moe",), threshold=0.95),
     Family("llama", llama, "causal", AUTOREGRESSIVE, autoregressive_decoder, ("LlamaForCausalLM",), ("llama",)),
     Family("qwen2", llama, "causal", AUTOREGRESSIVE, autoregressive_decoder, ("Qwen2ForCausalLM",), ("qwen2",)),
+    Family("diffusion_gemma", diffusion_gemma, "two_mode", UNIFORM_DIFFUSION, _diffusion(UniformDiffusionDecoder),
+           ("DiffusionGemmaForBlockDiffusion",), ("diffusion_gemma",), network=DiffusionGemma),
 )}
 
 
@@ -123,4 +130,4 @@ def family_for(raw: dict) -> Family:
                      f" (supported: {', '.join(known)})")
 
 
-__all__ = ["AUTOREGRESSIVE", "BLOCK_DIFFUSION", "DIFFUSION", "FAMILIES", "DecoderResources", "Family", "family_for"]
+__all__ = ["AUTOREGRESSIVE", "BLOCK_DIFFUSION", "DIFFUSION", "UNIFORM_DIFFUSION", "FAMILIES", "DecoderResources", "Family", "family_for"]

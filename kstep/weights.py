@@ -13,7 +13,7 @@ from torch import nn
 
 from kstep.models import ModelConfig, Transformer
 from kstep.models.parts import Part, parts_of
-from kstep.registry import AUTOREGRESSIVE, FAMILIES, family_for
+from kstep.registry import BLOCK_DIFFUSION, DIFFUSION, FAMILIES, family_for
 
 # Mask tokens of published diffusion tokenizers: Fast-dLLM v2 names its mask id nowhere else.
 MASK_TOKENS = ("|<MASK>|", "<|MASK|>", "<MASK>", "<|mask|>", "[MASK]")
@@ -58,7 +58,7 @@ def read_model_config(path: Path) -> ModelConfig:
         cfg = family.parse_config(raw)
     except KeyError as e:
         raise ValueError(f"checkpoint {path}: config.json lacks the key {e.args[0]!r}") from None
-    if cfg.mask_token_id is None and family.kind != AUTOREGRESSIVE:
+    if cfg.mask_token_id is None and family.kind in (DIFFUSION, BLOCK_DIFFUSION):
         cfg.mask_token_id = mask_id_from_tokenizer(path)
         if cfg.mask_token_id is None:
             raise ValueError(f"checkpoint {path}: a {family.name} (diffusion) checkpoint needs a mask token id "
@@ -147,7 +147,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
     dtype is set on the meta device, so no float32 copy is ever allocated; float32-only tensors
     (the rotary tables, a router's expert bias) stay float32."""
     with torch.device("meta"):
-        model = Transformer(cfg).to(dtype)
+        model = (FAMILIES[cfg.family].network or Transformer)(cfg).to(dtype)
     for module in model.modules():
         for name in getattr(module, "keeps_float32", ()):
             if getattr(module, name) is not None:

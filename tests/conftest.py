@@ -39,6 +39,13 @@ def sdar_path(tmp_path_factory) -> Path:
     return write_sdar_checkpoint(tmp_path_factory.mktemp("sdar"))
 
 
+@pytest.fixture(scope="session")
+def gemma_path(tmp_path_factory) -> Path:
+    """A tiny DiffusionGemma checkpoint written by transformers (tests/gemma_reference.py)."""
+    from gemma_reference import write_gemma_checkpoint
+    return write_gemma_checkpoint(tmp_path_factory.mktemp("gemma"))[0]
+
+
 def copy_checkpoint(src: Path, dst: Path, **config_changes) -> Path:
     """A copy of a checkpoint with some config.json keys changed (None deletes the key)."""
     shutil.copytree(src, dst)

@@ -35,8 +35,9 @@ from kstep.bench.cost_model import (
     diffusion_cost,
 )
 from kstep.bench.compare_report import format_row, plot
+from kstep.bench.uniform_cost import uniform_diffusion_cost
 from kstep.llm import LLM, load
-from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, GenerationParams
+from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, UNIFORM_DIFFUSION, GenerationParams
 from kstep.runner.model_runner import execute_passes
 
 GRID = [2 ** k for k in range(3, 13)]  # 8 .. 4096: where floors and crossovers are predicted
@@ -61,6 +62,10 @@ SIDES = {
     # the checkpoint's default decoding (its generation_config.json threshold and sub-block, else 0.9)
     "block exact": Side("block exact", BLOCK_DIFFUSION, {"exact": True}),
     "block threshold": Side("block threshold", BLOCK_DIFFUSION, {}),
+    # a uniform-diffusion model (DiffusionGemma): its stopping rule (passes per canvas data-dependent), and
+    # vLLM's benchmark setting (16 passes per canvas, never stopping early)
+    "uniform adaptive": Side("uniform adaptive", UNIFORM_DIFFUSION, {}),
+    "uniform K=16": Side("uniform K=16", UNIFORM_DIFFUSION, {"max_denoising_steps": 16, "confidence_threshold": 0.0}),
     "ar": Side("ar", AUTOREGRESSIVE, {}),
 }
 
@@ -130,6 +135,8 @@ def floor_cost(llm: LLM, side: Side, prompt_len: int, n: int, passes: float, blo
                dtype_bytes: int) -> PassCost:
     if not side.is_diffusion:
         return ar_cost(llm.cfg, prompt_len, n, dtype_bytes)
+    if side.kind == UNIFORM_DIFFUSION:
+        return uniform_diffusion_cost(llm.cfg, prompt_len, n, passes, dtype_bytes)
     params = llm.resolve(params_for(side, n, block_length))
     if side.kind == BLOCK_DIFFUSION:
         return block_diffusion_cost(llm.cfg, prompt_len, n, passes, min(params.block_length, n), dtype_bytes)

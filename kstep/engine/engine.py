@@ -18,7 +18,7 @@ from kstep.engine.scheduler import Scheduler
 from kstep.engine.text_stream import TextStream, canvas_pieces, render_canvas
 from kstep.llm import LLM
 from kstep.outputs import StepOutput
-from kstep.params import DIFFUSION
+from kstep.params import DIFFUSION, knob_applies
 from kstep.runner.model_runner import execute_passes
 from kstep.runner.prefix_cache import PrefixCache
 
@@ -128,5 +128,7 @@ class Engine:
 
 def warm_up(llm: LLM) -> None:
     """One tiny generation so the first request does not pay for lazy initialisation."""
+    # (a random-start model: one decoder pass, not a canvas's worth)
+    quick = {"max_denoising_steps": 1} if knob_applies("max_denoising_steps", llm.cfg.family, llm.kind) else {}
     with torch.inference_mode():
-        llm.generate([llm.pad_id if llm.pad_id != llm.cfg.mask_token_id else 0], max_tokens=2)
+        llm.generate([llm.pad_id if llm.pad_id != llm.cfg.mask_token_id else 0], max_tokens=2, **quick)

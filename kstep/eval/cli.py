@@ -36,8 +36,8 @@ def add_eval(sub) -> None:
 def run_eval_command(args: argparse.Namespace) -> int:
     from kstep.bench.prompts import prompt_rows
     from kstep.bundled import resolve_model
-    from kstep.eval.run import block_settings, default_settings, format_table, run_eval
-    from kstep.registry import BLOCK_DIFFUSION, FAMILIES
+    from kstep.eval.run import block_settings, default_settings, format_table, run_eval, uniform_settings
+    from kstep.registry import BLOCK_DIFFUSION, FAMILIES, UNIFORM_DIFFUSION
     from kstep.weights import read_model_config
     set_threads(args.threads)
     n = args.max_tokens or (64 if args.quick else 128)
@@ -54,8 +54,12 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if any(not 0 < t <= 1 for t in thresholds):
         raise ValueError(f"--thresholds {args.thresholds!r}: each must be in (0, 1]")
     rows = prompt_rows(args.prompts, args.num_prompts or (16 if args.quick else None))
-    is_block = FAMILIES[read_model_config(resolve_model(args.model)).family].kind == BLOCK_DIFFUSION
-    if is_block:
+    kind = FAMILIES[read_model_config(resolve_model(args.model)).family].kind
+    if kind == UNIFORM_DIFFUSION:
+        if blocks is not None or subs is not None:
+            raise ValueError("--block-length / --sub-block-length: a uniform-diffusion model's canvas is its own")
+        settings = uniform_settings(args.ar)
+    elif kind == BLOCK_DIFFUSION:
         settings = block_settings(thresholds, blocks, args.ar, subs)
     else:
         if subs is not None:

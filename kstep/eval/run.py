@@ -60,6 +60,15 @@ def block_settings(thresholds=(0.5, 0.7, 0.9), block_lengths: list[int] | None =
     return out + ([Setting("ar", "ar", False, {})] if include_ar else [])
 
 
+def uniform_settings(include_ar: bool = True, steps=(4, 8, 16, 32)) -> list[Setting]:
+    """For a uniform-diffusion model (DiffusionGemma): its stopping rule (the checkpoint's settings), and
+    fixed passes per canvas (never stopping early: confidence_threshold 0), and AR."""
+    out = [Setting("uniform adaptive", "uniform adaptive", True, {})]
+    out += [Setting(f"uniform K={k}", "uniform K per canvas", True,
+                    {"max_denoising_steps": k, "confidence_threshold": 0.0}) for k in steps]
+    return out + ([Setting("ar", "ar", False, {})] if include_ar else [])
+
+
 def score(row: dict, text: str, token_ids: list[int], judge: LLM) -> dict:
     """Quality of one completion of one prompt row."""
     prompt = row["prompt"]

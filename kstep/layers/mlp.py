@@ -1,4 +1,7 @@
-"""SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+"""Gated feed-forward (Shazeer 2020): down(act(gate(x)) * up(x)); SwiGLU (act = SiLU) unless a
+model says otherwise (DiffusionGemma's GeGLU: tanh-approximated GELU)."""
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -7,8 +10,10 @@ from kstep.layers.attention import fuse_linears, project
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, hidden: int, bias: bool):
+    def __init__(self, d_model: int, hidden: int, bias: bool,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu):
         super().__init__()
+        self.activation = activation
         self.gate_proj = nn.Linear(d_model, hidden, bias=bias)
         self.up_proj = nn.Linear(d_model, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, d_model, bias=bias)
@@ -23,6 +28,6 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and not torch.is_grad_enabled():
             gate, up = project(x, self.fused).chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
+            hidden = self.activation(gate) * up
             return self.down_proj(hidden) if self.fused_down is None else project(hidden, self.fused_down)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))

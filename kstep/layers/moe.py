@@ -20,6 +20,7 @@ runs one matmul over all of its tokens (`torch._grouped_mm` where torch has it, 
 the active experts), so a packed pass of many requests reads each chosen expert's weights once.
 Expert outputs are weighted and summed in float32 (as the references combine), then cast back.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -117,12 +118,14 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts with stacked weights in the (in, out) layout the decode matmuls prefer:
-    gate_up (E, D, 2I) = [gate | up], down (E, I, D)."""
+    """E gated experts (SwiGLU unless `activation` says otherwise: DiffusionGemma's are GeGLU) with
+    stacked weights in the (in, out) layout the decode matmuls prefer: gate_up (E, D, 2I) = [gate | up],
+    down (E, I, D)."""
 
-    def __init__(self, num_experts: int, d_model: int, expert_dim: int):
+    def __init__(self, num_experts: int, d_model: int, expert_dim: int,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu):
         super().__init__()
-        self.num_experts, self.expert_dim = num_experts, expert_dim
+        self.num_experts, self.expert_dim, self.activation = num_experts, expert_dim, activation
         self.gate_up = nn.Parameter(torch.empty(num_experts, d_model, 2 * expert_dim))
         self.down = nn.Parameter(torch.empty(num_experts, expert_dim, d_model))
 
@@ -157,13 +160,13 @@ class Experts(nn.Module):
         if self._can_group(rows):
             ends = counts.cumsum(0).to(torch.int32)
             gate, up = torch._grouped_mm(rows, self.gate_up, offs=ends).chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate) * up, self.down, offs=ends)
+            return torch._grouped_mm(self.activation(gate) * up, self.down, offs=ends)
         out = torch.empty_like(rows)
         start = 0
         for expert, count in enumerate(counts.tolist()):  # one sync per layer: which experts run
             if count:
                 gate, up = (rows[start:start + count] @ self.gate_up[expert]).chunk(2, dim=-1)
-                out[start:start + count] = (F.silu(gate) * up) @ self.down[expert]
+                out[start:start + count] = (self.activation(gate) * up) @ self.down[expert]
                 start += count
         return out
 

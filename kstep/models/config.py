@@ -1,7 +1,9 @@
 """The one architecture description every family's config.json is translated into."""
 from dataclasses import dataclass, field
 
-ATTENTION_MODES = ("causal", "bidirectional", "block_causal")
+# two_mode: causal encoder passes that write the cache, bidirectional decoder passes over [prefix;
+# canvas] that do not (DiffusionGemma)
+ATTENTION_MODES = ("causal", "bidirectional", "block_causal", "two_mode")
 
 
 @dataclass(slots=True, frozen=True)

@@ -34,6 +34,10 @@ class ForwardPass:
     cache_len: int | None = None
     cache_slots: torch.Tensor | None = None   # (b, T): per-row write slots (rows of different lengths)
     logits_columns: torch.Tensor | None = None  # only these of [logits_from, logits_to) (lean logits)
+    # A two-mode model's (DiffusionGemma): "encoder" (causal, writes the cache) or "decoder"
+    # (bidirectional over [prefix; canvas]), and a decoder pass's self-conditioning signal (b, T, D).
+    mode: str | None = None
+    soft_embeds: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +62,8 @@ class ModelRunner:
         with weight 0, and 0 x NaN from uninitialised memory would be NaN."""
         if length > self.cfg.max_positions:
             raise ValueError(f"prompt + max_tokens ({length}) exceeds the model's context of {self.cfg.max_positions}")
+        if hasattr(self.model, "allocate_kv"):  # layers of different geometry (DiffusionGemma)
+            return self.model.allocate_kv(batch, length)
         shape = (batch, self.cfg.n_kv_heads, length, self.cfg.head_dim)
         return [(torch.zeros(shape, device=self.device, dtype=self.dtype),
                  torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(self.cfg.n_layers)]
@@ -163,7 +169,9 @@ class ModelRunner:
         ids = torch.cat([p.ids.reshape(-1) for p in passes]) if len(passes) > 1 else passes[0].ids.reshape(-1)
         positions = torch.cat([p.positions.reshape(-1) for p in passes]) if len(passes) > 1 \
             else passes[0].positions.reshape(-1)
-        hidden = self.model.packed_hidden_states(ids, positions, segments)  # (N, D)
+        modes = {} if all(p.mode is None for p in passes) else \
+            {"modes": [p.mode for p in passes], "soft_embeds": [p.soft_embeds for p in passes]}
+        hidden = self.model.packed_hidden_states(ids, positions, segments, **modes)  # (N, D)
         wanted = [hidden[s.rows].view(s.batch, s.length, -1)[:, p.logits_from:p.logits_to]
                   for p, s in zip(passes, segments)]  # each (b, t, D)
         wanted = [w if p.logits_columns is None else w[:, p.logits_columns] for p, w in zip(passes, wanted)]
@@ -172,11 +180,17 @@ class ModelRunner:
         # One LM-head matmul for every sequence: the head is the largest weight of a small model.
         logits = self.model.logits(torch.cat([w.reshape(-1, w.shape[-1]) for w in wanted]))  # (sum b*t, V)
         sizes = [w.shape[0] * w.shape[1] for w in wanted]
-        return [chunk.view(w.shape[0], w.shape[1], -1) for chunk, w in zip(logits.split(sizes), wanted)]
+        return [chunk.view(w.shape[0], w.shape[1], logits.shape[-1])  # (a pass may want no logits)
+                for chunk, w in zip(logits.split(sizes), wanted)]
 
     def logits(self, forward_pass: ForwardPass) -> torch.Tensor:
         """One pass alone."""
         return self.execute([forward_pass])[0]
+
+    @torch.inference_mode()
+    def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
+        """DiffusionGemma's self-conditioning signal (..., D) from a pass's processed logits (..., V)."""
+        return self.model.soft_embedding(logits)
 
 
 def execute_passes(passes: list[ForwardPass]) -> list[torch.Tensor]:

@@ -112,6 +112,7 @@ function settings() {
     steps: number("#steps"),
     blockLength: number("#block-length"),
     temperature: number("#temperature"),
+    seed: number("#seed"),
     speed: Number($("#speed").value),
   };
 }
@@ -119,7 +120,13 @@ function settings() {
 function requestBody(model, s) {
   const body = {model: model.id, prompt: s.prompt, max_tokens: s.maxTokens, temperature: s.temperature,
                 stream: true, stream_options: {include_canvas: true}};
-  if (model.kind !== "autoregressive") {  // diffusion knobs; an AR model would refuse them
+  if (s.seed !== null) body.seed = s.seed;  // a random-start model's canvases are random without one
+  if (model.kind === "uniform-diffusion") {  // random-start refinement (DiffusionGemma): its own knobs
+    if (s.decoding === "steps") {  // that many passes per canvas, never stopping early
+      body.max_denoising_steps = s.steps;
+      body.confidence_threshold = 0;
+    }
+  } else if (model.kind !== "autoregressive") {  // masked-diffusion knobs; an AR model would refuse them
     if (s.decoding === "exact") body.exact = true;
     if (s.decoding === "threshold") body.threshold = s.threshold;
     if (s.decoding === "steps") body.steps = s.steps;
@@ -148,6 +155,7 @@ function draw(pane, run, index) {
   const state = run.states[index];
   const previous = index > 0 ? run.states[index - 1] : null;
   const pieces = state.pieces;
+  const edited = new Set(state.edits);  // positions whose token changed into another since the last state
   const nodes = [];
   const committed = pieces ? pieces.slice(0, state.tokens).join("") : null;
   if (pieces && committed === state.text) {
@@ -156,8 +164,9 @@ function draw(pane, run, index) {
         nodes.push(span(MASK, "mask"));
         return;
       }
-      const isNew = !previous || !previous.pieces || previous.pieces[i] === null;
-      const classes = [isNew ? "new" : "", i >= state.tokens ? "pending" : ""].filter(Boolean).join(" ");
+      const isNew = !previous || !previous.pieces || previous.pieces[i] == null;  // unmasked, or a new canvas
+      const classes = [isNew ? "new" : "", edited.has(i) ? "edit" : "", i >= state.tokens ? "pending" : ""]
+        .filter(Boolean).join(" ");
       nodes.push(classes ? span(piece, classes) : document.createTextNode(piece));
     });
   } else {  // an AR stream, or committed text that per-token pieces cannot spell exactly (a split character)
@@ -206,7 +215,8 @@ function absorb(pane, run, chunk, speed) {
   run.text += choice.text || "";
   if (choice.text && run.firstText === null) run.firstText = t;
   if (chunk.usage) run.usage = chunk.usage;
-  run.states.push({t, step: choice.step, tokens: choice.tokens, text: run.text, pieces: choice.canvas_pieces ?? null});
+  run.states.push({t, step: choice.step, tokens: choice.tokens, text: run.text, pieces: choice.canvas_pieces ?? null,
+                   edits: choice.canvas_edits ?? []});
   schedule(pane, run, run.states.length - 1, speed);
 }
 

@@ -1,0 +1,56 @@
+"""DiffusionGemma's sampler pieces (transformers 5.24 `generation_diffusion_gemma.py`), as batched free
+functions over a canvas batch (B, L): the linear temperature schedule, per-position entropy, the
+entropy-bound acceptance rule (EntropyBoundSampler, arXiv:2505.24857) and the stable-and-confident
+stopping rule. The decoder (uniform_diffusion.py) strings them together in transformers' order.
+"""
+import torch
+
+from kstep.decoding.sampling import constrain_outputs, filter_logits
+
+
+def temperature(t_min: float, t_max: float, steps_left: int, max_steps: int, device: torch.device) -> torch.Tensor:
+    """0-d float32: t_min + (t_max - t_min) * s / N, s = the steps remaining (N at a canvas's first
+    pass). In float32 tensor arithmetic as transformers computes it: a Python-double temperature
+    differs by an ulp, which can change a multinomial draw."""
+    s = torch.tensor(steps_left, dtype=torch.int32, device=device)
+    return t_min + ((t_max - t_min) * (s / max_steps))
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...) nats, as torch.distributions.Categorical(logits=...).entropy() computes it
+    (a filtered -inf logit contributes exactly 0)."""
+    normed = logits - logits.logsumexp(-1, keepdim=True)
+    probs = torch.softmax(normed, dim=-1)
+    return -(normed.clamp(min=torch.finfo(normed.dtype).min) * probs).sum(-1)
+
+
+def accept(entropies: torch.Tensor, bound: float) -> torch.Tensor:
+    """(B, L) -> (B, L) bool: the lowest-entropy positions whose strictly-lower-ranked entropies sum
+    to at most `bound` (always at least one; all when every entropy is 0)."""
+    sorted_entropies, order = torch.sort(entropies, dim=-1)
+    keep = torch.cumsum(sorted_entropies, dim=-1) - sorted_entropies <= bound
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+def is_stable(history: torch.Tensor, argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """history (S, B, L) of the last S argmax canvases (-1 before any), argmax (B, L) -> (stable (B,):
+    equal to each of them, the history with argmax appended). S = 0: always stable."""
+    if history.shape[0] == 0:
+        return torch.ones(argmax.shape[0], dtype=torch.bool, device=argmax.device), history
+    stable = (history == argmax[None]).all(-1).all(0)
+    return stable, torch.cat([history[1:], argmax[None]])
+
+
+def process_logits(logits: torch.Tensor, temperature_value: torch.Tensor, scale: float, top_k: int | None,
+                   top_p: float | None, output_index: torch.Tensor, stop_ids: torch.Tensor, min_tokens: int,
+                   first_allowed: torch.Tensor | None) -> torch.Tensor:
+    """(B, L, V) float32 logits -> the processed logits every rule reads, in transformers' order:
+    kstep's output rules (min_tokens, token healing's first token), then the request's filters
+    (`scale` 0: the top-1 filter, transformers' deterministic run; else top-k / top-p, as logits
+    processors passed to its generate), then the schedule's temperature (times `scale` unless it is 1)."""
+    logits = constrain_outputs(logits, output_index, stop_ids, min_tokens, first_allowed)
+    if scale == 0:
+        top_k, top_p = 1, None
+    if top_k is not None or top_p is not None:
+        logits = filter_logits(logits, top_k, top_p)
+    return logits / (temperature_value if scale in (0, 1) else temperature_value * scale)
