@@ -73,8 +73,9 @@ class GenerationParams:
                                           "else max tokens; block diffusion: the checkpoint's block size)", DENOISING)
     remasking: str = knob("low_confidence", "unmask rule", DENOISING, REMASKING_RULES)
     cfg_scale: float = knob(0.0, "LLaDA's unsupervised classifier-free guidance", ("llada",))
-    cache: str | None = knob(None, "diffusion KV cache: none, prefix, dual (Fast-dLLM; the default)",
-                             (DIFFUSION,), CACHE_MODES)
+    cache: str | None = knob(None, "diffusion KV cache: none, prefix, dual (Fast-dLLM; the default); Fast-dLLM v2: "
+                                   "dual = its block cache (use_block_cache: a sub-block's passes against the "
+                                   "block's cached keys), none the default", (DIFFUSION, "fast_dllm_v2"), CACHE_MODES)
     threshold: float | None = knob(None, "unmask every mask with confidence >= T per pass (block diffusion: > T, "
                                          "as its references), at least one "
                                          "(default 0.9 unless steps or factor is given; block diffusion: with steps, "
@@ -215,6 +216,9 @@ class GenerationParams:
         if self.remasking == "entropy" and self.steps is None and not self.exact:
             raise ValueError("remasking 'entropy' scores negative entropy, which a threshold cannot compare: "
                              "give steps (a fixed schedule)")
+        if self.cache == "prefix":
+            raise ValueError("cache 'prefix' is the canvas models' (LLaDA, Dream): a block model always caches "
+                             "its finished blocks; Fast-dLLM v2 takes cache 'dual' (its block cache) or 'none'")
         sub = self.sub_block_length or self.block_length
         if self.block_length % sub:
             raise ValueError(f"sub_block_length ({sub}) must divide block_length ({self.block_length})")
@@ -234,7 +238,7 @@ class GenerationParams:
         fused = self.fused_commit and not self.exact
         post = None if self.editing_threshold is None else 16 if self.max_post_steps is None else self.max_post_steps
         return replace(self, steps=steps, threshold=threshold, policy=policy, sub_block_length=sub, fused_commit=fused,
-                       max_post_steps=post, is_resolved=True)
+                       max_post_steps=post, cache=self.cache or "none", is_resolved=True)
 
     def _resolve_diffusion(self, whole_canvas_reference: bool) -> "GenerationParams":
         """Defaults: the dual cache, and the 0.9 confidence threshold unless `steps` or `factor`

@@ -20,6 +20,7 @@ from types import ModuleType
 
 from kstep.decoding.autoregressive import AutoregressiveDecoder
 from kstep.decoding.base import DecodeBatch, Decoder
+from kstep.decoding.block_cache import BlockCacheDecoder
 from kstep.decoding.block_diffusion import BlockDiffusionDecoder, BlockRules
 from kstep.decoding.dream import DreamDecoder
 from kstep.decoding.masked_diffusion import DiffusionDecoder
@@ -93,8 +94,10 @@ def _diffusion(cls) -> DecoderFactory:
 
 
 def _block(rules: BlockRules) -> DecoderFactory:
-    return lambda runner, batch, params, resources: BlockDiffusionDecoder(runner, batch, params, rules,
-                                                                          resources.prefix_cache)
+    def make(runner, batch, params, resources):
+        cls = BlockCacheDecoder if params.cache == "dual" else BlockDiffusionDecoder  # Fast-dLLM v2's block cache
+        return cls(runner, batch, params, rules, resources.prefix_cache)
+    return make
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (

@@ -105,8 +105,8 @@ def test_block_defaults_and_refused_knobs(v2_path):
     exact = llm.resolve(kstep.GenerationParams(max_tokens=20, exact=True))
     assert exact.policy.kind == "fixed" and exact.steps == 8  # one token per pass
     assert params.fused_commit and not exact.fused_commit  # exact: the references' own commit pass
-    with pytest.raises(ValueError, match="cache"):
-        llm.generate([5, 6], max_tokens=8, cache="dual")
+    with pytest.raises(ValueError, match="cache 'prefix'"):  # a block model's cache: 'dual' = v2's block cache
+        llm.generate([5, 6], max_tokens=8, cache="prefix")
     with pytest.raises(ValueError, match="steps"):
         llm.generate([5, 6], max_tokens=8, steps=9)
 
@@ -235,3 +235,54 @@ def test_block_confidence_is_the_probability_under_the_filtered_sampling_distrib
     assert got.nfe <= expected_nfe
     greedy = llm.generate(prompt, max_tokens=16, block_length=4, steps=4, threshold=0.9, fused_commit=False)[0]
     assert got.nfe < greedy.nfe  # whole blocks per pass, where greedy decoding goes by confidence
+
+
+@pytest.mark.parametrize("prompt_len,max_tokens,block,sub,threshold", [
+    (5, 24, 8, 4, 0.9),     # the prompt inside the first block
+    (13, 24, 8, 2, 0.7),    # a prefilled block and a tail
+    (16, 16, 8, 4, 0.5),    # the prompt ends on a block boundary
+    (11, 32, 16, 4, 0.9),
+    (7, 24, 8, 8, 0.6),     # one sub-block per block
+])
+def test_fast_dllm_v2_block_cache_matches_use_block_cache(v2_path, prompt_len, max_tokens, block, sub, threshold):
+    """cache='dual' on a Fast-dLLM v2 model = its generate with use_block_cache=True: a sub-block's
+    passes run only the sub-block, against the block's cached keys (approximate, as its reference)."""
+    llm, ref = kstep.load(v2_path), ReferenceFastDllmV2(v2_path)
+    prompt = prompt_ids(prompt_len, prompt_len + 3)
+    expected, expected_nfe = fast_dllm_v2_generate(
+        ref, torch.tensor([prompt]), max_new_tokens=max_tokens + block, block_size=block, small_block_size=sub,
+        threshold=threshold, mask_id=MASK_ID, stop_token=IM_END_ID, use_block_cache=True)
+    settings = dict(max_tokens=max_tokens, block_length=block, sub_block_length=sub, threshold=threshold,
+                    fused_commit=False)
+    got = llm.generate(prompt, cache="dual", **settings)[0]
+    assert got.token_ids == completion(expected[0, prompt_len:].tolist(), llm.stop_ids)[:max_tokens]
+    assert got.nfe <= expected_nfe
+
+
+def test_block_cache_changes_tokens_where_its_reference_does(v2_path):
+    """The block cache is approximate: on some prompts it gives other tokens than whole-block passes,
+    and there too it gives its reference's (so the parity above is not the exact cache in disguise)."""
+    llm, ref = kstep.load(v2_path), ReferenceFastDllmV2(v2_path)
+    settings = dict(max_tokens=24, block_length=8, sub_block_length=2, threshold=0.7, fused_commit=False)
+    changed = 0
+    for n in (3, 4, 5, 6, 7, 9, 10, 11, 12):  # not 8: the reference never reads a one-block prompt (above)
+        prompt = prompt_ids(n, n + 3)
+        cached, whole = llm.generate(prompt, cache="dual", **settings)[0], llm.generate(prompt, **settings)[0]
+        if cached.token_ids != whole.token_ids:
+            changed += 1
+            expected, _ = fast_dllm_v2_generate(ref, torch.tensor([prompt]), max_new_tokens=32, block_size=8,
+                                                small_block_size=2, threshold=0.7, mask_id=MASK_ID,
+                                                stop_token=IM_END_ID, use_block_cache=True)
+            assert cached.token_ids == completion(expected[0, n:].tolist(), llm.stop_ids)[:24]
+    assert changed, "no prompt of this grid is changed by the block cache"
+
+
+def test_block_cache_batch_equals_single_runs(v2_path):
+    """Rows that disagree (one starting a sub-block, one inside one) share whole-block passes; each
+    keeps its own block cache, so each row gets what it gets alone."""
+    llm = kstep.load(v2_path)
+    prompts = [prompt_ids(n, 50 + n) for n in (3, 9, 14, 6)]
+    settings = dict(max_tokens=24, block_length=8, sub_block_length=2, threshold=0.5, cache="dual")
+    for prompt, got in zip(prompts, llm.generate(prompts, **settings), strict=True):
+        alone = llm.generate(prompt, **settings)[0]
+        assert got.token_ids == alone.token_ids and got.nfe == alone.nfe

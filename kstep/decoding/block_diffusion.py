@@ -5,8 +5,7 @@ LLaDA2 (inclusionAI, the checkpoint's `generate`; LLaDA2.1's token editing in to
 Attention is bidirectional inside a block of `block_length` positions (aligned to position 0) and
 causal across blocks. The prompt's whole blocks run once (a block-causal prefill into the cache);
 its tail shares the first block. A block is denoised pass by pass against the cache of the blocks
-before it; once it has no masks, a pass over its final tokens writes its keys/values (the commit),
-exact from then on: a finished block is never recomputed.
+before it; once it has no masks, a pass over its final tokens writes its keys/values (the commit).
 
 Each pass unmasks, among the masks of the current block (Fast-dLLM v2: of its current sub-block),
 every one whose confidence (the sampled token's probability under the tempered, filtered
@@ -54,6 +53,7 @@ class BlockRules:
 
 
 class BlockDiffusionDecoder(Decoder):
+    spare_slots = 0  # KV slots past the canvas, never attended (block_cache.py writes keys it must not keep there)
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams, rules: BlockRules,
                  prefix_cache: PrefixCache | None = None):
         self.runner, self.params, self.rules = runner, params, rules
@@ -76,7 +76,7 @@ class BlockDiffusionDecoder(Decoder):
         self.real = torch.ones(B, slots, dtype=torch.bool, device=device)
         if key_mask is not None:
             self.real[:, :W] = key_mask
-        self.kv = runner.allocate_kv(B, slots)
+        self.kv = runner.allocate_kv(B, slots + self.spare_slots)
         self.block_starts = self.prompt_lengths // bs * bs  # (B,) position of each row's current block
         self.phase = torch.full((B,), DENOISE, dtype=torch.long, device=device)
         self.passes_in_block = torch.zeros(B, dtype=torch.long, device=device)
@@ -133,7 +133,12 @@ class BlockDiffusionDecoder(Decoder):
         positions = self.block_starts[:, None] + torch.arange(width, device=starts.device)
         self.columns = self._read_columns(width)
         return [self.runner.ragged_causal_pass(ids, positions, starts, self.real, self.kv, is_causal=False,
-                                               kind="block", columns=self.columns, block_size=bs)]
+                                               kind="block", columns=self.columns, block_size=bs,
+                                               write_slots=self._write_slots(index))]
+
+    def _write_slots(self, index: torch.Tensor) -> torch.Tensor | None:
+        """Where a block pass over the slots `index` (B, width) writes its keys (None: there)."""
+        return None
 
     def _read_columns(self, width: int) -> torch.Tensor:
         """(k,) the pass's positions whose outputs are read (any row): those that predict a mask of a
