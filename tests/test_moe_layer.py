@@ -77,9 +77,10 @@ def naive_experts(experts: Experts, x, routing: Routing):
 @pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("num_tokens", [1, 5, 64])
 def test_dispatch_equals_each_token_through_its_experts(grouped, num_tokens, monkeypatch):
+    """Both dispatches (a GPU's grouped matmul runs on the CPU too, forced here) and both layouts."""
     if grouped and not moe.HAS_GROUPED_MM:
         pytest.skip("this torch has no _grouped_mm")
-    monkeypatch.setattr(moe, "HAS_GROUPED_MM", grouped)
+    monkeypatch.setattr(Experts, "_can_group", lambda self, rows: grouped)
     torch.manual_seed(0)
     experts = Experts(8, 16, 12)
     with torch.no_grad():
@@ -91,6 +92,9 @@ def test_dispatch_equals_each_token_through_its_experts(grouped, num_tokens, mon
     ids = torch.stack([torch.unique(r, sorted=False)[:2] for r in ids])
     routing = Routing(ids, torch.rand(num_tokens, 2))
     with torch.no_grad():
+        assert torch.allclose(experts(x, routing), naive_experts(experts, x, routing), atol=1e-5)
+        experts.fuse()  # (out, in) storage for inference: the same values
+        assert not experts.gate_up.is_contiguous()
         assert torch.allclose(experts(x, routing), naive_experts(experts, x, routing), atol=1e-5)
 
 
@@ -121,13 +125,15 @@ def test_bfloat16_experts_stay_bfloat16_on_either_path(expert_dim, monkeypatch):
     experts = experts.to(torch.bfloat16)
     x = torch.randn(5, 16, dtype=torch.bfloat16)
     routing = Routing(torch.tensor([[0, 1], [1, 3]] * 2 + [[3, 0]]), torch.full((5, 2), 0.5))
+    grouped = moe.HAS_GROUPED_MM and expert_dim % 8 == 0  # bf16 rows of whole 16-byte units
     with torch.no_grad():
+        monkeypatch.setattr(Experts, "_can_group", lambda self, rows: grouped)
         out = experts(x, routing)
-        monkeypatch.setattr(moe, "HAS_GROUPED_MM", False)
+        monkeypatch.setattr(Experts, "_can_group", lambda self, rows: False)
         looped = experts(x, routing)
-        experts.fuse()  # bf16: (out, in) storage, the same parameters' values
+        experts.fuse()  # (out, in) storage, the same parameters' values
         assert not experts.gate_up.is_contiguous() and torch.equal(experts(x, routing), looped)
-        monkeypatch.setattr(moe, "HAS_GROUPED_MM", True)
+        monkeypatch.setattr(Experts, "_can_group", lambda self, rows: grouped)
         assert torch.allclose(experts(x, routing).float(), out.float(), atol=2e-2)
     assert out.dtype == torch.bfloat16
     assert torch.allclose(out.float(), looped.float(), atol=2e-2)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kstep.layers.labels import labelled
+from kstep.layers.linear import linear
 from kstep.layers.norm import RMSNorm
 from kstep.layers.rotary import apply_rotary
 
@@ -43,27 +44,21 @@ class Segment:
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """One weight for the linears, stored transposed, (in, sum of outputs), and its bias: their
-    parameters become views of it (no extra memory). `project` applies it. None when a layer is not
-    a plain nn.Linear (e.g. quantized).
-
-    Transposed because `x @ W` with W laid out (in, out) runs 1.1-1.3x faster than `F.linear` with
-    (out, in) for the few-row matmuls of decoding on this CPU's MKL (docs: shared/research/machine.md),
-    and the same at hundreds of rows. Only in float32: a bf16/fp16 matmul against an (in, out)
-    contiguous weight falls off oneDNN's fast path (20-30x slower on an AVX2 CPU), so there the
-    weight stays (out, in) in memory and `project` multiplies by its transposed view."""
+    """One (sum of outputs, in) weight for the linears, and its bias: their parameters become views
+    of it (no extra memory), so one matmul computes all of them (fewer, larger matmuls: the per-call
+    overhead dominates small models' decode steps). `project` applies it through `linear`, whose
+    kernels want this (out, in) layout (kstep/layers/linear.py). None when a layer is not a plain
+    nn.Linear (e.g. quantized)."""
     if not all(type(m) is nn.Linear for m in linears):
         return None
-    weight = torch.cat([m.weight.data for m in linears]).t()  # (in, out), a view of (out, in) storage
-    if weight.dtype == torch.float32:
-        weight = weight.contiguous()
+    weight = torch.cat([m.weight.data for m in linears])  # (out, in)
     bias = None if linears[0].bias is None else torch.cat([m.bias.data for m in linears])
     offset = 0
     for m in linears:
-        cols = slice(offset, offset + m.out_features)
-        m.weight.data = weight[:, cols].t()
+        rows = slice(offset, offset + m.out_features)
+        m.weight.data = weight[rows]
         if bias is not None:
-            m.bias.data = bias[cols]
+            m.bias.data = bias[rows]
         offset += m.out_features
     return weight, bias
 
@@ -71,8 +66,7 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
 def project(x: torch.Tensor, fused: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
     """x (..., in) through a `fuse_linears` weight -> (..., out)."""
     weight, bias = fused
-    out = x @ weight
-    return out if bias is None else out + bias
+    return linear(x, weight, bias)
 
 
 class Attention(nn.Module):

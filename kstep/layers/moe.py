@@ -16,8 +16,9 @@ Routing strategies, one each (`ROUTERS`), all in float32 as the references compu
   `routed_scaling_factor`.
 
 Dispatch: the (token, expert) pairs are sorted by expert and every expert that some token chose
-runs one matmul over all of its tokens (`torch._grouped_mm` where torch has it, else a loop over
-the active experts), so a packed pass of many requests reads each chosen expert's weights once.
+runs one matmul over all of its tokens (on a GPU `torch._grouped_mm`, one launch; on a CPU a loop
+over the active experts through kstep/layers/linear.py, measured faster there), so a packed pass of
+many requests reads each chosen expert's weights once.
 Expert outputs are weighted and summed in float32 (as the references combine), then cast back.
 """
 from collections.abc import Callable
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kstep.layers.labels import labelled
+from kstep.layers.linear import linear
 from kstep.layers.mlp import SwiGLU
 
 ROUTERS = ("softmax", "sigmoid_grouped")
@@ -119,8 +121,8 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """E gated experts (SwiGLU unless `activation` says otherwise: DiffusionGemma's are GeGLU) with
-    stacked weights in the (in, out) layout the decode matmuls prefer: gate_up (E, D, 2I) = [gate | up],
-    down (E, I, D)."""
+    stacked weights, as parameters gate_up (E, D, 2I) = [gate | up] and down (E, I, D); for
+    inference (`fuse`) held (out, in) in memory, as the kernels want them."""
 
     def __init__(self, num_experts: int, d_model: int, expert_dim: int,
                  activation: Callable[[torch.Tensor], torch.Tensor] = F.silu):
@@ -130,12 +132,13 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, expert_dim, d_model))
 
     def fuse(self) -> None:
-        """For inference outside float32: keep each expert's weights (out, in) in memory, as
-        `fuse_linears` does (bf16/fp16 matmuls want that layout); the parameters' shapes stay."""
-        if self.gate_up.dtype != torch.float32:
-            for name in ("gate_up", "down"):
-                weight = getattr(self, name).data
-                getattr(self, name).data = weight.transpose(1, 2).contiguous().transpose(1, 2)
+        """For inference: each expert's weights (out, in) in memory, as `fuse_linears` keeps a dense
+        layer's (the kernels of kstep/layers/linear.py want that layout); the parameters' shapes stay."""
+        for name in ("gate_up", "down"):
+            weight = getattr(self, name).data
+            if weight.transpose(1, 2).is_contiguous():
+                continue
+            getattr(self, name).data = weight.transpose(1, 2).contiguous().transpose(1, 2)
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x (N, D) -> (N, D): each token's routed outputs, weighted and summed in float32."""
@@ -150,9 +153,10 @@ class Experts(nn.Module):
         return out.index_add_(0, tokens, weighted).to(x.dtype)
 
     def _can_group(self, rows: torch.Tensor) -> bool:
-        """torch's grouped matmul wants matching dtypes and rows of whole 16-byte units."""
+        """torch's grouped matmul (a GPU's path: one launch for every expert) wants matching dtypes
+        and rows of whole 16-byte units; on a CPU the loop over linear() measured faster."""
         size = rows.element_size()
-        return HAS_GROUPED_MM and rows.dtype == self.gate_up.dtype and \
+        return HAS_GROUPED_MM and rows.is_cuda and rows.dtype == self.gate_up.dtype and \
             all(width * size % 16 == 0 for width in (rows.shape[1], self.expert_dim))
 
     def _swiglu(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -161,12 +165,13 @@ class Experts(nn.Module):
             ends = counts.cumsum(0).to(torch.int32)
             gate, up = torch._grouped_mm(rows, self.gate_up, offs=ends).chunk(2, dim=-1)
             return torch._grouped_mm(self.activation(gate) * up, self.down, offs=ends)
+        gate_up, down = self.gate_up.transpose(1, 2), self.down.transpose(1, 2)  # (E, 2I, D), (E, D, I): (out, in)
         out = torch.empty_like(rows)
         start = 0
         for expert, count in enumerate(counts.tolist()):  # one sync per layer: which experts run
             if count:
-                gate, up = (rows[start:start + count] @ self.gate_up[expert]).chunk(2, dim=-1)
-                out[start:start + count] = (self.activation(gate) * up) @ self.down[expert]
+                gate, up = linear(rows[start:start + count], gate_up[expert]).chunk(2, dim=-1)
+                out[start:start + count] = linear(self.activation(gate) * up, down[expert])
                 start += count
         return out
 

@@ -76,7 +76,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> dict[st
         raise ValueError(f"quantize {mode!r} is not supported (choose from {', '.join(QUANTIZATIONS)})")
     counts = {"int8": 0, "int4": 0}
     for module in model.modules():  # fused float weights would keep the originals alive
-        for name in ("fused", "fused_out", "fused_down", "fused_head"):
+        for name in ("fused", "fused_out", "fused_down"):
             if hasattr(module, name):
                 setattr(module, name, None)
     for parent in list(model.modules()):

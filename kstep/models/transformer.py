@@ -5,11 +5,11 @@ what is attended to (the caller passes positions and a mask): that is how one se
 serves both causal AR models and bidirectional diffusion models.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kstep.layers.attention import Attention, KVCache, Segment, fuse_linears
+from kstep.layers.attention import Attention, KVCache, Segment
 from kstep.layers.labels import labelled
+from kstep.layers.linear import linear
 from kstep.layers.mlp import SwiGLU
 from kstep.layers.moe import RouterSpec, SparseMoE
 from kstep.layers.norm import RMSNorm
@@ -49,7 +49,6 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.embedding_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rotary_width, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.fused_head: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def reset_rotary(self, device: torch.device | str) -> None:
         """(Re)build the float32 rotary tables on `device` (after meta init or a dtype cast)."""
@@ -57,15 +56,11 @@ class Transformer(nn.Module):
                                       self.cfg.rope_scaling).to(device)
 
     def fuse_projections(self) -> None:
-        """Inference only: fused q/k/v and gate/up matmuls, weights in the transposed layout (the
-        parameters stay as they are). An AR model's untied head too: it runs on one row per
-        sequence, where that layout is faster; a diffusion head runs on a block's rows, where it is
-        not (see fuse_linears)."""
+        """Inference only: fused q/k/v and gate/up matmuls (the parameters stay as they are; see
+        fuse_linears); experts in their inference layout."""
         for layer in self.layers:
             layer.attn.fuse()
             layer.mlp.fuse()
-        if self.cfg.is_causal and self.lm_head is not None:
-            self.fused_head = fuse_linears(self.lm_head)
 
     def packed_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                              segments: list[Segment]) -> torch.Tensor:
@@ -89,11 +84,9 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped."""
         with labelled("kstep.lm_head"):
-            if self.fused_head is not None and not torch.is_grad_enabled():
-                out = hidden @ self.fused_head[0][:, : self.cfg.vocab_size]
-            elif self.lm_head is None or isinstance(self.lm_head, nn.Linear):
+            if self.lm_head is None or isinstance(self.lm_head, nn.Linear):
                 weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-                out = F.linear(hidden, weight[: self.cfg.vocab_size])
+                out = linear(hidden, weight[: self.cfg.vocab_size])
             else:  # a quantized head computes the padded rows too
                 out = self.lm_head(hidden)[..., : self.cfg.vocab_size]
         if self.cfg.logits_scale != 1.0:
