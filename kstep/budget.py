@@ -2,7 +2,8 @@
 
 What a pass costs on this device is a per-model fit, seconds = a + b * tokens + c * tokens * attended
 (a fixed cost, the weights' work per token, attention's work per token and attended position),
-least squares over passes it timed: a calibration on first use, then every pass `LLM.generate` runs
+least squares over passes it timed, scaled at each pass width by what the passes of that width
+measured against the line: a calibration on first use, then every pass `LLM.generate` runs
 (`observe`, so the table follows the machine). From it, `plan` predicts a decoding's time and
 picks the most passes that fit:
 - a diffusion model (LLaDA, Dream: the canvas; block diffusion): its default adaptive decoding when
@@ -12,6 +13,7 @@ picks the most passes that fit:
 - an AR model can only stop early: `max_tokens` is capped to what fits (finish_reason "length").
 A budget below what one pass per block (AR: one token) takes is an error naming that minimum.
 """
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +36,7 @@ class PassCosts:
         self._coef: torch.Tensor | None = None
         self._fitted_on = -1
         self._seen = 0
+        self._ratios: list[tuple[int, float]] = []
 
     def observe(self, tokens: int, attended: int, seconds: float) -> None:
         self.samples.append((tokens, attended, seconds))
@@ -51,7 +54,7 @@ class PassCosts:
     def calibrate(self, model, device: torch.device, max_positions: int, repeats: int = 3) -> None:
         """Time whole-sequence passes of a few lengths (random ids), the best of `repeats` each."""
         vocab = model.cfg.vocab_size
-        for length in (1, 8, 32, 128, 512):
+        for length in (1, 4, 8, 16, 32, 128, 512):  # a block model's passes are 4-32 tokens
             length = min(length, max_positions)
             ids = torch.randint(0, vocab, (1, length), device=device)
             positions = torch.arange(length, device=device)[None]
@@ -71,15 +74,42 @@ class PassCosts:
 
     def predict(self, tokens: float, attended: float) -> float:
         if self._fitted_on != self._seen:
-            rows = torch.tensor([self._features(t, s) for t, s, _ in self.samples], dtype=torch.float64)
-            seconds = torch.tensor([[x] for _, _, x in self.samples], dtype=torch.float64)
-            # Least squares, then no negative terms (a cost cannot fall with more work).
-            coef = torch.linalg.lstsq(rows, seconds).solution.squeeze(1).clamp(min=0)
-            if float(coef.sum()) == 0:
-                coef = torch.zeros(rows.shape[1], dtype=torch.float64)
-                coef[0] = float(seconds.mean())
-            self._coef, self._fitted_on = coef, self._seen
-        return float(sum(c * f for c, f in zip(self._coef.tolist(), self._features(tokens, attended))))
+            self._fit()
+        line = float(sum(c * f for c, f in zip(self._coef.tolist(), self._features(tokens, attended))))
+        return line * self._correction(tokens)
+
+    def _fit(self) -> None:
+        rows = torch.tensor([self._features(t, s) for t, s, _ in self.samples], dtype=torch.float64)
+        seconds = torch.tensor([[x] for _, _, x in self.samples], dtype=torch.float64)
+        # Least squares on relative errors (each row over its seconds: a budget cares about a pass's
+        # error relative to its time, and a 512-token prefill would otherwise set the line for the
+        # 1-32-token passes of decoding), then no negative terms (a cost cannot fall with more work).
+        weight = 1 / seconds.clamp(min=1e-9)
+        coef = torch.linalg.lstsq(rows * weight, seconds * weight).solution.squeeze(1).clamp(min=0)
+        if float(coef.sum()) == 0:
+            coef = torch.zeros(rows.shape[1], dtype=torch.float64)
+            coef[0] = float(seconds.mean())
+        self._coef, self._fitted_on = coef, self._seen
+        # The line's shape is wrong where kernels change: on a CPU a pass of 4 tokens costs about
+        # twice one of 1 and about what one of 16 does (bench passes). So the line is scaled by
+        # its measured/fitted ratio at each token count timed, interpolated in log(tokens).
+        ratios: dict[int, list[float]] = {}
+        for (t, s, x), line in zip(self.samples, (rows @ coef).tolist()):
+            if line > 0:
+                ratios.setdefault(t, []).append(x / line)
+        self._ratios = sorted((t, sum(r) / len(r)) for t, r in ratios.items())
+
+    def _correction(self, tokens: float) -> float:
+        points = self._ratios
+        if not points:
+            return 1.0
+        if tokens <= points[0][0]:
+            return points[0][1]
+        for (t0, r0), (t1, r1) in zip(points, points[1:]):
+            if tokens <= t1:
+                w = (math.log(tokens) - math.log(t0)) / (math.log(t1) - math.log(t0))
+                return r0 + w * (r1 - r0)
+        return points[-1][1]
 
     def _features(self, tokens: float, attended: float) -> list[float]:
         base = [1.0, tokens, tokens * attended]

@@ -89,3 +89,16 @@ def test_load_makes_plans_coarser_then_infeasible(llada_path):
     assert loaded.passes < idle.passes and loaded.predicted_seconds <= 27.0
     with pytest.raises(ValueError, match="below the"):
         plan(costs, DIFFUSION, params, 4, 0, 30.0, llada.resolve, load=10.0)  # 4 passes x 11 s > 27 s
+
+
+def test_the_fit_follows_a_kink_in_pass_cost_between_the_widths_it_timed():
+    """On a CPU a pass of 4 tokens costs about twice one of 1 and about what one of 16 does
+    (docs/benchmarks.md, bench passes): no line through 1..512 tokens gets both ends right, the
+    per-width correction does, and it interpolates between the widths timed."""
+    costs = PassCosts()
+    for tokens, seconds in ((1, 1.0), (4, 2.0), (16, 2.2), (128, 4.0), (512, 12.0)):
+        costs.observe(tokens, tokens, seconds)
+    for tokens, seconds in ((1, 1.0), (4, 2.0), (16, 2.2), (512, 12.0)):
+        assert costs.predict(tokens, tokens) == pytest.approx(seconds, rel=0.05)
+    assert 2.0 < costs.predict(8, 8) < 2.2  # between its neighbours
+    assert costs.predict(64, 64) > costs.predict(16, 16)

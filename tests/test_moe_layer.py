@@ -93,8 +93,7 @@ def test_dispatch_equals_each_token_through_its_experts(grouped, num_tokens, mon
     routing = Routing(ids, torch.rand(num_tokens, 2))
     with torch.no_grad():
         assert torch.allclose(experts(x, routing), naive_experts(experts, x, routing), atol=1e-5)
-        experts.fuse()  # (out, in) storage for inference: the same values
-        assert not experts.gate_up.is_contiguous()
+        experts.fuse()  # the inference layout (small float32 weights: (in, out)): the same values
         assert torch.allclose(experts(x, routing), naive_experts(experts, x, routing), atol=1e-5)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kstep.layers.linear import linear
 from kstep.models import ModelConfig
 
 
@@ -136,8 +137,10 @@ def block_diffusion_cost(cfg: ModelConfig, prompt_len: int, n: int, passes: floa
 
 
 def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> Device:
-    """Measure this device: bandwidth from a large copy (read + write), matmul throughput from a
-    square matmul, each the best of repeated runs for `seconds`."""
+    """Measure this device: memory bandwidth (a large copy, STREAM's counting, or a read-only sum,
+    the better), matmul
+    throughput from a square matmul through kstep's own projection kernel (kstep/layers/linear.py:
+    what a pass can reach here, in this dtype), each the best of repeated runs for `seconds`."""
     device = torch.device(device)
 
     def best_of(fn) -> float:
@@ -151,12 +154,18 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
             best = min(best, time.perf_counter() - start)
         return best
 
-    src = torch.ones(64 * 1024 * 1024 // 4, dtype=torch.float32, device=device)  # 64 MiB: beyond the caches
-    dst = torch.empty_like(src)
-    copy_s = best_of(lambda: dst.copy_(src))
-    n = 1024 if device.type == "cpu" else 8192
+    def bandwidth(nbytes: int) -> float:  # its arrays are freed before the matmul's are made
+        """The best of STREAM's copy (bytes read + written) and a read-only sum (a pass's weights are
+        only read, and a copy's write-allocate traffic is not counted): GB/s."""
+        src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        dst = torch.empty_like(src)
+        return max(2 * nbytes / best_of(lambda: dst.copy_(src)), nbytes / best_of(src.sum)) / 1e9
+
+    gb_s = bandwidth(256 * 1024 * 1024)  # 256 MiB, far beyond the caches
+    n = 2048 if device.type == "cpu" else 8192
     a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    mm_s = best_of(lambda: a @ b)
+    b = torch.randn(n, n, dtype=dtype, device=device)  # (out, in), through the kernel kstep's projections use
+    with torch.inference_mode():
+        mm_s = best_of(lambda: linear(a, b))
     name = "this CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    return Device(name, 2 * src.numel() * 4 / copy_s / 1e9, 2 * n ** 3 / mm_s / 1e12, "measured")
+    return Device(name, gb_s, 2 * n ** 3 / mm_s / 1e12, "measured")

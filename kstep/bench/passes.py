@@ -5,9 +5,10 @@ For each shape (kstep/shapes.py, random weights built in memory in the family's 
 batch 1, one after another in one process: the AR step (one token against a KV cache of
 `context` positions), block passes of T = 4, 8, 16, 32 tokens against the same exact cache (block
 diffusion), and window passes of T tokens attending to a whole canvas of `context` (LLaDA's dual
-cache). Each as the median time, as a ratio to the AR step, and as a fraction of its floor: the
+cache). Each as the median time, as a ratio to the AR step, as a fraction of its floor (the
 weights and cache bytes over the copy bandwidth measured in the same run, the FLOPs over the
-matmul throughput measured in the same run (cost_model.calibrate). From the ratio r(T), a
+matmul throughput measured in the same run: cost_model.calibrate), and next to what the time-budget
+planner predicts for it from its own calibration of the same model (budget.PassCosts). From the ratio r(T), a
 diffusion model that fills tau tokens per pass of T ties AR at tau = r(T) and doubles it at 2 r(T).
 """
 import statistics
@@ -15,7 +16,8 @@ import time
 
 import torch
 
-from kstep.bench.cost_model import calibrate, pass_cost
+from kstep.bench.cost_model import pass_cost
+from kstep.budget import PassCosts
 from kstep.random_checkpoint import random_config, random_parameters
 from kstep.runner.model_runner import ModelRunner
 from kstep.shapes import shape_sizes
@@ -86,15 +88,17 @@ def pass_makers(runner: ModelRunner, context: int, kv) -> dict:
 
 
 @torch.inference_mode()
-def measure_shape(family: str, shape: str, dtype: torch.dtype, context: int, repeats: int, device=None,
+def measure_shape(family: str, shape: str, dtype: torch.dtype, context: int, repeats: int, device,
                   progress=print) -> list[dict]:
+    """Every pass kind of one shape; `device`: this machine's calibration (cost_model.calibrate)."""
     model = random_model(family, shape, dtype)
     runner = ModelRunner(model)
     cfg = model.cfg
-    device = device or calibrate(runner.device, dtype)
     kv = runner.allocate_kv(1, context + 64)
     rows, ar_seconds = [], None
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    planner = PassCosts(experts=cfg.moe.expected_experts if cfg.moe else None)
+    planner.calibrate(model, runner.device, cfg.max_positions)  # the time-budget planner's own table
     for kind, makers in pass_makers(runner, context, kv).items():
         for t, make in makers.items():
             seconds = median_seconds(runner, make, repeats)
@@ -108,19 +112,23 @@ def measure_shape(family: str, shape: str, dtype: torch.dtype, context: int, rep
             row = {"family": family, "shape": shape, "params": cfg.num_params, "dtype": str(dtype).removeprefix("torch."),
                    "kind": kind, "tokens": t, "context": context, "ms": seconds * 1e3,
                    "over_ar": seconds / ar_seconds, "floor_ms": floor * 1e3, "of_floor": floor / seconds,
-                   "bound": bound, "bandwidth_gb_s": device.bandwidth_gb_s, "matmul_tflops": device.matmul_tflops}
+                   "bound": bound, "bandwidth_gb_s": device.bandwidth_gb_s, "matmul_tflops": device.matmul_tflops,
+                   "planned_ms": planner.predict(t, attended) * 1e3}
+            row["planned_error"] = row["planned_ms"] / row["ms"] - 1
             rows.append(row)
             progress(format_row(row))
     return rows
 
 
 def format_row(r: dict) -> str:
-    return (f"| {r['family']} {r['shape']} ({r['params'] / 1e6:.0f}M) | {r['dtype']} | {r['kind']} | {r['tokens']} | {r['ms']:.2f} | "
-            f"{r['over_ar']:.2f}x | {r['floor_ms']:.2f} ({r['bound']}) | {r['of_floor']:.0%} |")
+    return (f"| {r['family']} {r['shape']} ({r['params'] / 1e6:.0f}M) | {r['dtype']} | {r['kind']} | {r['tokens']} | "
+            f"{r['ms']:.2f} | {r['over_ar']:.2f}x | {r['floor_ms']:.2f} ({r['bound']}) | {r['of_floor']:.0%} | "
+            f"{r['planned_ms']:.2f} ({r['planned_error']:+.0%}) |")
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| shape | dtype | pass | tokens | ms | / AR step | floor ms | of floor |", "|---|---|---|---|---|---|---|---|",
+    lines = ["| shape | dtype | pass | tokens | ms | / AR step | floor ms | of floor | time-budget planner's ms |",
+             "|---|---|---|---|---|---|---|---|---|",
              *map(format_row, rows), "", "| shape | dtype | tokens per pass to tie AR (block T = 4 / 8 / 16 / 32) "
              "| to double AR |", "|---|---|---|---|"]
     for family, shape, dtype in dict.fromkeys((r["family"], r["shape"], r["dtype"]) for r in rows):

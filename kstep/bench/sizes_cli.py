@@ -90,7 +90,7 @@ def add_passes(kinds) -> None:
                         help="FAMILY:SHAPE,... (kstep/shapes.py, or bundled-3m / dense-60m)")
     passes.add_argument("--dtypes", default="float32,bfloat16")
     passes.add_argument("--context", type=int, default=512, help="cached positions the passes attend to")
-    passes.add_argument("--repeats", type=int, default=5)
+    passes.add_argument("--repeats", type=int, default=3)
     passes.add_argument("--threads", type=int, default=None)
     passes.add_argument("--out", default="out/bench")
     passes.set_defaults(run=run_passes)
@@ -99,6 +99,7 @@ def add_passes(kinds) -> None:
 def run_passes(args: argparse.Namespace) -> int:
     import torch
 
+    from kstep.bench.cost_model import calibrate
     from kstep.bench.passes import BUNDLED_SIZES, format_table, measure_shape, plot_ratio
     from kstep.llm import resolve_dtype
     from kstep.registry import FAMILIES
@@ -112,8 +113,10 @@ def run_passes(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     rows = []
     for dtype in [resolve_dtype(d) for d in args.dtypes.split(",")]:
+        device = calibrate("cpu", dtype, seconds=2.0)  # once per dtype, in this run: every row's floor
+        _progress(f"{dtype}: {device.bandwidth_gb_s:.1f} GB/s copy, {device.matmul_tflops * 1e3:.0f} GFLOP/s matmul")
         for family, shape in shapes:
-            rows += measure_shape(family, shape, dtype, args.context, args.repeats, progress=_progress)
+            rows += measure_shape(family, shape, dtype, args.context, args.repeats, device, progress=_progress)
     print(format_table(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

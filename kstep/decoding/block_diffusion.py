@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, final_rows, prefix_step_output
-from kstep.decoding.block_unmask import unmask_block
+from kstep.decoding.block_unmask import open_columns, unmask_block
 from kstep.decoding.sampling import constrain_outputs
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.token_editing import TokenEditing
@@ -142,8 +142,7 @@ class BlockDiffusionDecoder(Decoder):
 
     def _read_columns(self, width: int) -> torch.Tensor:
         """(k,) the pass's positions whose outputs are read (any row): those that predict a mask of a
-        block being denoised, and a commit's last position. The LM head is a small model's largest
-        matmul, and on a CPU its cost grows with the positions it runs on."""
+        block's open sub-block, and a commit's last position (the LM head's cost grows with them)."""
         bs = self.params.block_length
         active = self.phase != DONE
         committing = active & (self.phase == COMMIT)
@@ -152,7 +151,8 @@ class BlockDiffusionDecoder(Decoder):
         block = self.canvas.gather(1, (self.pads + self.block_starts + half * bs)[:, None] + offsets)
         source = (half[:, None] * bs + offsets - int(self.rules.is_shifted)).clamp(min=0)  # (B, bs)
         read = torch.zeros(width, dtype=torch.bool, device=half.device)
-        wanted = block == self.mask_id if self.editing is None else torch.ones_like(block, dtype=torch.bool)  # edits
+        wanted = (block == self.mask_id) & open_columns(block, self.mask_id, self.params.sub_block_length) \
+            if self.editing is None else torch.ones_like(block, dtype=torch.bool)  # editing reads every position
         read[source[wanted & active[:, None]]] = True
         if width == bs and bool(committing.any()):  # a commit pass of its own: its last output
             read[-1] = True

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kstep.layers.labels import labelled
-from kstep.layers.linear import linear
+from kstep.layers.linear import inference_layout, linear
 from kstep.layers.norm import RMSNorm
 from kstep.layers.rotary import apply_rotary
 
@@ -46,12 +46,12 @@ class Segment:
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """One (sum of outputs, in) weight for the linears, and its bias: their parameters become views
     of it (no extra memory), so one matmul computes all of them (fewer, larger matmuls: the per-call
-    overhead dominates small models' decode steps). `project` applies it through `linear`, whose
-    kernels want this (out, in) layout (kstep/layers/linear.py). None when a layer is not a plain
+    overhead dominates small models' decode steps). `project` applies it through `linear`, stored
+    in the layout its kernel wants (kstep/layers/linear.py). None when a layer is not a plain
     nn.Linear (e.g. quantized)."""
     if not all(type(m) is nn.Linear for m in linears):
         return None
-    weight = torch.cat([m.weight.data for m in linears])  # (out, in)
+    weight = inference_layout(torch.cat([m.weight.data for m in linears]))  # (out, in), stored as linear() wants
     bias = None if linears[0].bias is None else torch.cat([m.bias.data for m in linears])
     offset = 0
     for m in linears:

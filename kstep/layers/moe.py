@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kstep.layers.labels import labelled
-from kstep.layers.linear import linear
+from kstep.layers.linear import inference_layout, linear
 from kstep.layers.mlp import SwiGLU
 
 ROUTERS = ("softmax", "sigmoid_grouped")
@@ -132,13 +132,15 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, expert_dim, d_model))
 
     def fuse(self) -> None:
-        """For inference: each expert's weights (out, in) in memory, as `fuse_linears` keeps a dense
-        layer's (the kernels of kstep/layers/linear.py want that layout); the parameters' shapes stay."""
+        """For inference: each expert's weights stored as kstep/layers/linear.py's kernel for their
+        size wants them ((out, in), or (in, out) when small and float32); the parameters' shapes stay."""
         for name in ("gate_up", "down"):
-            weight = getattr(self, name).data
-            if weight.transpose(1, 2).is_contiguous():
-                continue
-            getattr(self, name).data = weight.transpose(1, 2).contiguous().transpose(1, 2)
+            param = getattr(self, name)
+            logical = param.data.transpose(1, 2)  # (E, out, in)
+            if inference_layout(logical[0]).is_contiguous():
+                param.data = logical.contiguous().transpose(1, 2)  # (out, in) in memory
+            else:
+                param.data = param.data.contiguous()  # (in, out) in memory
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x (N, D) -> (N, D): each token's routed outputs, weighted and summed in float32."""
