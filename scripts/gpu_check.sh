@@ -38,7 +38,7 @@ for family in ["llada", "dream", "fast_dllm_v2", "sdar", "llada2_moe", "llada_mo
 EOF
 run tests_cpu_quick 150 $PY -m pytest -q -x tests/test_moe_layer.py tests/test_llada2.py tests/test_block_diffusion.py
 # 2. one pass at real shapes, bf16 and fp32, floors from this GPU's own calibration
-run bench_passes 150 $KSTEP bench passes --dtypes bfloat16 --shapes \
+run bench_passes 150 $KSTEP bench passes --device cuda --dtypes bfloat16 --shapes \
   qwen2:qwen2.5-0.5b,qwen2:qwen2.5-1.5b,llada:llada-1b,sdar:qwen3-1.7b --out "$OUT/passes"
 # 3. the bundled models in bf16 on cuda
 run bench_decode 90 $KSTEP bench decode --device cuda --dtype bfloat16 --lengths 256,1024 --quality-prompts 0 \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every figure of docs/benchmarks.md, one benchmark at a time (never two torch processes side by side).
-# About 40 minutes on 2 CPU cores. Not part of CI. JSON, PNG and the printed tables (*.md) go to
+# About 80 minutes on 2 CPU cores. Not part of CI. JSON, PNG and the printed tables (*.md) go to
 # docs/benchmarks/ (committed, beside the page) unless OUT is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,3 +25,9 @@ $KSTEP eval --model llada-coder --out "$OUT/eval" | tee "$OUT/eval/eval.md"
 # the block-diffusion coder (the bundled default): scripts/train_block_coder.sh's eval and benchmarks
 $KSTEP bench quant --out "$OUT/bench" | tee "$OUT/bench/bench_quant.md"
 $KSTEP bench ar --out "$OUT/bench" | tee "$OUT/bench/bench_ar.md"
+# real sizes (issue 25) and the MoE layer: random weights at published shapes, built in memory
+mkdir -p "$OUT/passes" "$OUT/moe"
+$KSTEP bench passes --out "$OUT/passes"                       # ~35 minutes: 1.5B passes in bf16 run ~5 s each here
+$KSTEP bench moe --out "$OUT/moe"
+$KSTEP random-checkpoint --family llada2_moe --shape llada2-2b --dtype bfloat16 --out runs/llada2-2b-bf16
+$KSTEP bench load --model runs/llada2-2b-bf16 --dtype bfloat16 --out "$OUT/moe/load_llada2_2b.json"

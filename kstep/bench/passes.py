@@ -89,9 +89,9 @@ def pass_makers(runner: ModelRunner, context: int, kv) -> dict:
 
 @torch.inference_mode()
 def measure_shape(family: str, shape: str, dtype: torch.dtype, context: int, repeats: int, device,
-                  progress=print) -> list[dict]:
-    """Every pass kind of one shape; `device`: this machine's calibration (cost_model.calibrate)."""
-    model = random_model(family, shape, dtype)
+                  where: str = "cpu", progress=print) -> list[dict]:
+    """Every pass kind of one shape on `where`; `device`: its calibration (cost_model.calibrate)."""
+    model = random_model(family, shape, dtype, where)
     runner = ModelRunner(model)
     cfg = model.cfg
     kv = runner.allocate_kv(1, context + 64)
@@ -112,7 +112,8 @@ def measure_shape(family: str, shape: str, dtype: torch.dtype, context: int, rep
             row = {"family": family, "shape": shape, "params": cfg.num_params, "dtype": str(dtype).removeprefix("torch."),
                    "kind": kind, "tokens": t, "context": context, "ms": seconds * 1e3,
                    "over_ar": seconds / ar_seconds, "floor_ms": floor * 1e3, "of_floor": floor / seconds,
-                   "bound": bound, "bandwidth_gb_s": device.bandwidth_gb_s, "matmul_tflops": device.matmul_tflops,
+                   "bound": bound, "bytes": cost.bytes, "flops": cost.flops,
+                   "bandwidth_gb_s": device.bandwidth_gb_s, "matmul_tflops": device.matmul_tflops,
                    "planned_ms": planner.predict(t, attended) * 1e3}
             row["planned_error"] = row["planned_ms"] / row["ms"] - 1
             rows.append(row)

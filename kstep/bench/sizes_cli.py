@@ -92,6 +92,7 @@ def add_passes(kinds) -> None:
     passes.add_argument("--context", type=int, default=512, help="cached positions the passes attend to")
     passes.add_argument("--repeats", type=int, default=3)
     passes.add_argument("--threads", type=int, default=None)
+    passes.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the passes and the calibration run")
     passes.add_argument("--out", default="out/bench")
     passes.set_defaults(run=run_passes)
 
@@ -113,10 +114,11 @@ def run_passes(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     rows = []
     for dtype in [resolve_dtype(d) for d in args.dtypes.split(",")]:
-        device = calibrate("cpu", dtype, seconds=2.0)  # once per dtype, in this run: every row's floor
-        _progress(f"{dtype}: {device.bandwidth_gb_s:.1f} GB/s copy, {device.matmul_tflops * 1e3:.0f} GFLOP/s matmul")
+        measured = calibrate(args.device, dtype, seconds=2.0)  # once per dtype, in this run: every row's floor
+        _progress(f"{dtype}: {measured.bandwidth_gb_s:.1f} GB/s, {measured.matmul_tflops * 1e3:.0f} GFLOP/s matmul")
         for family, shape in shapes:
-            rows += measure_shape(family, shape, dtype, args.context, args.repeats, device, progress=_progress)
+            rows += measure_shape(family, shape, dtype, args.context, args.repeats, measured, args.device,
+                                  progress=_progress)
     print(format_table(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
