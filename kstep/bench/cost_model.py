@@ -138,9 +138,9 @@ def block_diffusion_cost(cfg: ModelConfig, prompt_len: int, n: int, passes: floa
 
 def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> Device:
     """Measure this device: memory bandwidth (a large copy, STREAM's counting, or a read-only sum,
-    the better), matmul
-    throughput from a square matmul through kstep's own projection kernel (kstep/layers/linear.py:
-    what a pass can reach here, in this dtype), each the best of repeated runs for `seconds`."""
+    the better) and matmul throughput (a square matmul through kstep's own projection kernel,
+    kstep/layers/linear.py: what a pass can reach here, in this dtype), each the best of repeated
+    runs for `seconds`."""
     device = torch.device(device)
 
     def best_of(fn) -> float:

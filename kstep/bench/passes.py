@@ -88,10 +88,11 @@ def pass_makers(runner: ModelRunner, context: int, kv) -> dict:
 
 
 @torch.inference_mode()
-def measure_shape(family: str, shape: str, dtype: torch.dtype, context: int, repeats: int, device,
-                  where: str = "cpu", progress=print) -> list[dict]:
-    """Every pass kind of one shape on `where`; `device`: its calibration (cost_model.calibrate)."""
-    model = random_model(family, shape, dtype, where)
+def measure_shape(family: str, shape: str, dtype: torch.dtype, context: int, repeats: int, measured,
+                  device: str = "cpu", progress=print) -> list[dict]:
+    """Every pass kind of one shape on `device`; `measured`: that device's calibration in this run
+    (cost_model.calibrate), every row's floor."""
+    model = random_model(family, shape, dtype, device)
     runner = ModelRunner(model)
     cfg = model.cfg
     kv = runner.allocate_kv(1, context + 64)
@@ -106,14 +107,14 @@ def measure_shape(family: str, shape: str, dtype: torch.dtype, context: int, rep
                 ar_seconds = seconds
             attended = context + (t if kind == "block" else 0)
             cost = pass_cost(cfg, t, attended, t, dtype_bytes=dtype_bytes)
-            floor = cost.floor_seconds(device)
-            bound = "memory" if cost.bytes / (device.bandwidth_gb_s * 1e9) >= cost.flops / (device.matmul_tflops * 1e12) \
+            floor = cost.floor_seconds(measured)
+            bound = "memory" if cost.bytes / (measured.bandwidth_gb_s * 1e9) >= cost.flops / (measured.matmul_tflops * 1e12) \
                 else "compute"
             row = {"family": family, "shape": shape, "params": cfg.num_params, "dtype": str(dtype).removeprefix("torch."),
                    "kind": kind, "tokens": t, "context": context, "ms": seconds * 1e3,
                    "over_ar": seconds / ar_seconds, "floor_ms": floor * 1e3, "of_floor": floor / seconds,
                    "bound": bound, "bytes": cost.bytes, "flops": cost.flops,
-                   "bandwidth_gb_s": device.bandwidth_gb_s, "matmul_tflops": device.matmul_tflops,
+                   "bandwidth_gb_s": measured.bandwidth_gb_s, "matmul_tflops": measured.matmul_tflops,
                    "planned_ms": planner.predict(t, attended) * 1e3}
             row["planned_error"] = row["planned_ms"] / row["ms"] - 1
             rows.append(row)

@@ -31,29 +31,21 @@ class BlockCacheDecoder(BlockDiffusionDecoder):
         self.ran_whole = torch.zeros_like(self.has_block_cache)  # the last pass ran a row's whole block
         self.sub_pass = False
 
-    def _sub_block_starts(self) -> torch.Tensor:
-        """(B,) each row's open sub-block's first column in its block."""
-        block = self._current_block()
-        sub = self.params.sub_block_length
-        is_open = open_columns(block, self.mask_id, sub)
-        return is_open.float().argmax(-1) // sub * sub
-
-    def _current_block(self) -> torch.Tensor:
-        bs = self.params.block_length
+    def _open_sub_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,) each row's open sub-block's first column in its block, and (B,) whether that column is
+        still a mask (the sub-block begins: its pass runs the whole block)."""
+        bs, sub = self.params.block_length, self.params.sub_block_length
         starts = self.pads + self.block_starts
-        return self.canvas.gather(1, starts[:, None] + torch.arange(bs, device=starts.device))
-
-    def _wants_whole(self) -> torch.Tensor:
-        """(B,) rows whose next pass runs their whole block: a new block, or a sub-block to begin."""
-        lo = self._sub_block_starts()
-        starts_sub = self._current_block().gather(1, lo[:, None]).squeeze(1) == self.mask_id
-        return (self.phase == DENOISE) & (~self.has_block_cache | starts_sub)
+        block = self.canvas.gather(1, starts[:, None] + torch.arange(bs, device=starts.device))
+        lo = open_columns(block, self.mask_id, sub).float().argmax(-1) // sub * sub
+        return lo, block.gather(1, lo[:, None]).squeeze(1) == self.mask_id
 
     def next_passes(self) -> list[ForwardPass]:
         if self.is_finished:
             return []
         active = (self.phase != DONE)
-        whole = self._wants_whole()
+        self.lo, begins = self._open_sub_blocks()  # once per step: the pass and its key writes read them
+        whole = (self.phase == DENOISE) & (~self.has_block_cache | begins)  # rows that run their whole block
         self.sub_pass = not self.needs_prefill and not bool((self.phase == COMMIT).any()) and not bool(whole[active].any())
         if not self.sub_pass:
             # which rows this pass runs a whole current block for: a fused commit runs the next block's
@@ -62,13 +54,11 @@ class BlockCacheDecoder(BlockDiffusionDecoder):
             if self.needs_prefill and not self.fused_prefill:
                 self.ran_whole = torch.zeros_like(whole)
             return super().next_passes()
-        sub, bs = self.params.sub_block_length, self.params.block_length
-        lo = self._sub_block_starts()
+        sub, bs, lo = self.params.sub_block_length, self.params.block_length, self.lo
         block_slots = self.pads + self.block_starts  # (B,)
         offsets = torch.arange(sub, device=lo.device)
         ids = self.canvas.gather(1, (block_slots + lo)[:, None] + offsets)
         positions = (self.block_starts + lo)[:, None] + offsets
-        self.lo = lo
         return [self.runner.ragged_causal_pass(ids, positions, block_slots + lo, self.real, self.kv, is_causal=False,
                                                kind="block", attend_until=block_slots + bs)]
 
@@ -78,8 +68,7 @@ class BlockCacheDecoder(BlockDiffusionDecoder):
         keep = (self.phase == DENOISE) & self.has_block_cache & ~self.ran_whole  # rows inside a sub-block
         if self.needs_prefill or not bool(keep.any()):
             return None
-        sub = self.params.sub_block_length
-        lo = self._sub_block_starts()
+        sub, lo = self.params.sub_block_length, self.lo
         column = torch.arange(index.shape[1], device=index.device)
         inside = (column >= lo[:, None]) & (column < (lo + sub)[:, None])  # (B, width)
         spare = self.kv[0][0].shape[2] - 1

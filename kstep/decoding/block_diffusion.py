@@ -15,17 +15,16 @@ least the schedule's count (1 without `steps`; SDAR's `low_confidence_dynamic`, 
 over `steps` passes, the remainder first; LLaDA2 caps steps at max_tokens as its generate).
 
 Fast-dLLM v2 keeps its AR parent's logit shift: the token at j is read from the output at j - 1, and
-a block's first token is the argmax of the commit pass's last output. SDAR and LLaDA2 read the token
-at j from the output at j. A row stops once a stop token has nothing masked before it (the
-references finish that block first: the tokens cannot differ, only the passes).
+a block's first token is the argmax of the commit pass's last output; SDAR and LLaDA2 read it at j.
+A row stops once a stop token has nothing masked before it (the references finish the block first).
 
 `fused_commit` (default; off with `exact`) drops the commit's own pass: a row whose block is
 finished runs [finished block; next block] in its next pass, block-causal like the training pass's
 [clean; noisy] pairs, so the finished block's keys are written and the next block gets its first
 denoising pass at once. Unshifted models' tokens do not change; Fast-dLLM v2's next block is
 predicted with its first token masked, so its tokens may differ from its reference. The commit's
-first token counts toward the pass's minimum. Rows not committing run their block and a scratch
-block after it (masks, never attended). Rows keep their own blocks; every pass is one ragged pass.
+first token counts toward the pass's minimum; rows not committing run a scratch block (never
+attended) after theirs. Rows keep their own blocks: every pass is one ragged pass.
 """
 from dataclasses import dataclass
 
@@ -54,6 +53,7 @@ class BlockRules:
 
 class BlockDiffusionDecoder(Decoder):
     spare_slots = 0  # KV slots past the canvas, never attended (block_cache.py writes keys it must not keep there)
+
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams, rules: BlockRules,
                  prefix_cache: PrefixCache | None = None):
         self.runner, self.params, self.rules = runner, params, rules

@@ -29,17 +29,20 @@ HAS_ONEDNN = _probe_onednn()
 ONEDNN_MIN_WEIGHT = 1_200_000
 
 
+def wants_in_out(weight: torch.Tensor) -> bool:
+    """Whether `linear` runs this (out, in) weight fastest stored transposed, (in, out): a small
+    float32 weight on the CPU (MKL's `x @ W`)."""
+    return weight.dtype == torch.float32 and not weight.is_cuda and weight.numel() < ONEDNN_MIN_WEIGHT
+
+
 def inference_layout(weight: torch.Tensor) -> torch.Tensor:
-    """The (out, in) `weight` stored as its kernel wants it (a view of the same logical matrix): a
-    small float32 weight on the CPU transposed in memory, (in, out); any other (out, in)."""
-    if weight.dtype == torch.float32 and not weight.is_cuda and weight.numel() < ONEDNN_MIN_WEIGHT:
-        return weight.t().contiguous().t()
-    return weight.contiguous()
+    """The (out, in) `weight` stored as its kernel wants it (a view of the same logical matrix)."""
+    return weight.t().contiguous().t() if wants_in_out(weight) else weight.contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ weight (out, in).T (+ bias) -> (..., out), by the kernel `weight`'s storage says."""
-    if not weight.is_contiguous() and weight.t().is_contiguous():  # stored (in, out): MKL's matmul
+    if weight.stride(0) == 1 and weight.stride(1) != 1:  # stored (in, out): MKL's matmul (no view made to ask)
         out = x @ weight.t()
         return out if bias is None else out + bias
     if HAS_ONEDNN and x.dtype == torch.float32 and not x.is_cuda and weight.numel() >= ONEDNN_MIN_WEIGHT \

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kstep.layers.labels import labelled
-from kstep.layers.linear import inference_layout, linear
+from kstep.layers.linear import linear, wants_in_out
 from kstep.layers.mlp import SwiGLU
 
 ROUTERS = ("softmax", "sigmoid_grouped")
@@ -137,10 +137,10 @@ class Experts(nn.Module):
         for name in ("gate_up", "down"):
             param = getattr(self, name)
             logical = param.data.transpose(1, 2)  # (E, out, in)
-            if inference_layout(logical[0]).is_contiguous():
-                param.data = logical.contiguous().transpose(1, 2)  # (out, in) in memory
-            else:
+            if wants_in_out(logical[0]):
                 param.data = param.data.contiguous()  # (in, out) in memory
+            else:
+                param.data = logical.contiguous().transpose(1, 2)  # (out, in) in memory
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x (N, D) -> (N, D): each token's routed outputs, weighted and summed in float32."""
