@@ -4,12 +4,18 @@
   tensors (no kstep model code), absolute positions, optional key padding mask.
 - `reference_generate`: the semantics of ML-GSAI/LLaDA `generate.py` (commit b7e6c35): full-canvas
   logits every step, per-row top-k over the whole canvas with -inf confidence outside the current
-  block, `get_num_transfer_tokens`' even split, unsupervised CFG with the prompt masked.
+  block, `get_num_transfer_tokens`' even split, unsupervised CFG with the prompt masked, and its
+  global-RNG draws in its order: `add_gumbel_noise` (rand_like over the logits (B, L, V), float64,
+  nothing at temperature 0), then `random` remasking's torch.rand((B, L)) over the whole canvas.
 - `fast_dllm_generate`: the semantics of NVlabs/Fast-dLLM `llada/generate.py` (commit f6b35ec)
-  `generate` / `generate_with_prefix_cache` / `generate_with_dual_cache` with the fixed schedule
-  or `threshold`, batch size 1 as there: the cache holds pre-rotary keys as LLaDA's model code
-  does; the prefix mode concatenates the prefix cache with a fresh pass over [block start, end);
-  the dual mode overwrites the block's slots of the full cache and attends to all of it.
+  `generate` / `generate_with_prefix_cache` / `generate_with_dual_cache` at temperature 0 with the
+  fixed schedule, `threshold` (`get_transfer_index`) or `factor` (`get_transfer_index_dynamic`) and
+  either remasking: `random` draws torch.rand((B, W)) over every position of the pass (W: the canvas
+  in a block's first, full pass; [block start, end) in a prefix pass; the block in a dual pass). The
+  cache holds pre-rotary keys as LLaDA's model code does; the prefix mode concatenates the prefix
+  cache with a fresh pass over [block start, end); the dual mode overwrites the block's slots of the
+  full cache and attends to all of it. Rows without padding (Fast-dLLM takes no attention mask); with
+  `factor`, rows must finish each block together (there a row without masks raises IndexError).
 Written for clarity, with per-row loops, exactly as the reference orders its operations.
 """
 import json
@@ -95,10 +101,29 @@ def _num_transfer_tokens(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
     return out
 
 
+def _add_gumbel_noise(logits, temperature):
+    """LLaDA's `add_gumbel_noise`: nothing drawn at temperature 0; else rand_like over all of logits
+    (B, L, V) in float64 from the global RNG."""
+    if temperature == 0:
+        return logits
+    logits = logits.to(torch.float64)
+    return logits.exp() / (-torch.log(torch.rand_like(logits, dtype=torch.float64))) ** temperature
+
+
+def _remasking_scores(logits, x0, remasking, dtype):
+    """x0_p as the references score it: the argmax's probability, or `random`'s torch.rand((B, L))
+    from the global RNG over every position of the pass (after any Gumbel draw)."""
+    if remasking == "low_confidence":
+        return torch.gather(F.softmax(logits.to(dtype), -1), -1, x0.unsqueeze(-1)).squeeze(-1)
+    if remasking == "random":
+        return torch.rand((x0.shape[0], x0.shape[1]), device=x0.device)
+    raise NotImplementedError(remasking)
+
+
 @torch.no_grad()
 def reference_generate(model, prompt, attention_mask=None, steps=128, gen_length=128, block_length=128,
-                       cfg_scale=0.0, remasking="low_confidence", mask_id=None):
-    """Temperature-0 LLaDA sampling (temperature > 0 draws from a different random stream)."""
+                       temperature=0.0, cfg_scale=0.0, remasking="low_confidence", mask_id=None):
+    """LLaDA's generate: the draws of its global RNG in its order (Gumbel noise, then `random`'s)."""
     B, P = prompt.shape
     x = torch.full((B, P + gen_length), mask_id, dtype=torch.long)
     x[:, :P] = prompt
@@ -120,11 +145,8 @@ def reference_generate(model, prompt, attention_mask=None, steps=128, gen_length
                 logits = uncond + (cfg_scale + 1) * (cond - uncond)
             else:
                 logits = model(x, attention_mask)
-            x0 = logits.argmax(-1)
-            if remasking == "low_confidence":
-                x0_p = torch.gather(F.softmax(logits, -1), -1, x0.unsqueeze(-1)).squeeze(-1)
-            else:
-                raise NotImplementedError(remasking)
+            x0 = _add_gumbel_noise(logits, temperature).argmax(-1)
+            x0_p = _remasking_scores(logits, x0, remasking, logits.dtype)
             x0_p[:, hi:] = float("-inf")
             x0 = torch.where(mask_index, x0, x)
             confidence = torch.where(mask_index, x0_p, torch.tensor(float("-inf")))
@@ -135,43 +157,60 @@ def reference_generate(model, prompt, attention_mask=None, steps=128, gen_length
     return x
 
 
-def _fast_dllm_transfer(logits, mask_index, x, num_transfer, threshold):
-    """Fast-dLLM's `get_transfer_index` at temperature 0 with low_confidence, for a batch of one."""
+def _fast_dllm_transfer(logits, mask_index, x, num_transfer, threshold, factor, remasking):
+    """Fast-dLLM's `get_transfer_index` (fixed count or threshold) and `get_transfer_index_dynamic`
+    (factor) at temperature 0, per row as there."""
     x0 = logits.argmax(-1)
-    x0_p = torch.gather(F.softmax(logits.double(), -1), -1, x0.unsqueeze(-1)).squeeze(-1)
+    x0_p = _remasking_scores(logits, x0, remasking, torch.float64)
     x0 = torch.where(mask_index, x0, x)
-    confidence = torch.where(mask_index, x0_p, torch.tensor(float("-inf"), dtype=torch.float64))
-    k = int(mask_index.sum()) if threshold is not None else int(num_transfer)
+    confidence = torch.where(mask_index, x0_p, torch.tensor(float("-inf"), dtype=x0_p.dtype))
     chosen = torch.zeros_like(x0, dtype=torch.bool)
-    top = torch.topk(confidence[0], k=k).indices
-    chosen[0, top] = True
-    if threshold is not None:
-        for j in range(1, k):
-            if confidence[0, top[j]] < threshold:
-                chosen[0, top[j]] = False
+    for row in range(x.shape[0]):
+        num_masked = int(mask_index[row].sum())
+        if factor is not None:
+            bars = [-1] + [1 - factor / (n + 1) for n in range(2, num_masked + 1)]  # the first always passes
+            ordered = torch.sort(confidence[row][mask_index[row]], descending=True)[0]
+            for k in range(len(bars)):
+                if ordered[k] < bars[k]:
+                    break
+            k = k + 1 if k in (0, len(bars) - 1) else k  # the quirk: a failure at the last one takes all
+            chosen[row, torch.topk(confidence[row], k=k).indices] = True
+            continue
+        k = num_masked if threshold is not None else int(num_transfer[row])
+        top = torch.topk(confidence[row], k=k).indices
+        chosen[row, top] = True
+        if threshold is not None:
+            for j in range(1, k):
+                if confidence[row, top[j]] < threshold:
+                    chosen[row, top[j]] = False
     return x0, chosen
 
 
 @torch.no_grad()
-def fast_dllm_generate(model, prompt, cache, steps, gen_length, block_length, mask_id, threshold=None):
+def fast_dllm_generate(model, prompt, cache, steps, gen_length, block_length, mask_id, threshold=None, factor=None,
+                       remasking="low_confidence"):
     """Returns (canvas, nfe) as Fast-dLLM's generate / _with_prefix_cache / _with_dual_cache."""
-    P = prompt.shape[1]
-    x = torch.full((1, P + gen_length), mask_id, dtype=torch.long)
+    B, P = prompt.shape
+    x = torch.full((B, P + gen_length), mask_id, dtype=torch.long)
     x[:, :P] = prompt
     num_blocks = gen_length // block_length
     steps_per_block = steps // num_blocks
     nfe = 0
+
+    def transfer(logits, mask_index, window, i):
+        return _fast_dllm_transfer(logits, mask_index, window, counts[:, min(i, steps_per_block - 1)], threshold,
+                                   factor, remasking)
+
     for b in range(num_blocks):
         start, end = P + b * block_length, P + (b + 1) * block_length
-        transfer = _num_transfer_tokens(x[:, start:end] == mask_id, steps_per_block)
+        counts = _num_transfer_tokens(x[:, start:end] == mask_id, steps_per_block)
         if cache == "none":
             i = 0
             while True:
                 nfe += 1
                 mask_index = x == mask_id
                 mask_index[:, end:] = False
-                x0, chosen = _fast_dllm_transfer(model(x), mask_index, x, transfer[0, min(i, steps_per_block - 1)],
-                                                 threshold)
+                x0, chosen = transfer(model(x), mask_index, x, i)
                 x[chosen] = x0[chosen]
                 i += 1
                 if not (x[:, start:end] == mask_id).any():
@@ -180,7 +219,7 @@ def fast_dllm_generate(model, prompt, cache, steps, gen_length, block_length, ma
         logits, past = model.forward(x)
         mask_index = x == mask_id
         mask_index[:, end:] = False
-        x0, chosen = _fast_dllm_transfer(logits, mask_index, x, transfer[0, 0], threshold)
+        x0, chosen = transfer(logits, mask_index, x, 0)
         x[chosen] = x0[chosen]
         nfe += 1
         if cache == "prefix":
@@ -197,8 +236,7 @@ def fast_dllm_generate(model, prompt, cache, steps, gen_length, block_length, ma
                 window = x[:, start:end]
                 logits, past = model.forward(window, past=past, replace_start=start)
                 mask_index = window == mask_id
-            x0, chosen = _fast_dllm_transfer(logits, mask_index, window, transfer[0, min(i, steps_per_block - 1)],
-                                             threshold)
+            x0, chosen = transfer(logits, mask_index, window, i)
             window[chosen] = x0[chosen]
             i += 1
     return x, nfe

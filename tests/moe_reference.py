@@ -20,7 +20,8 @@ Families (issue 23) and the public code each rule is restated from:
   Its decoding is LLaDA's semi-autoregressive `generate` (ML-GSAI/LLaDA generate.py), already restated by
   tests/llada_reference.py: `ReferenceLLaDAMoE` is called as `model(x, attention_mask)` and returns logits (B, L, V),
   which is all `llada_reference.reference_generate` and `fast_dllm_generate(..., cache="none")` need (the attention mask
-  is ignored as [I1] ignores it, so use batch one without padding).
+  is ignored as [I1] ignores it, so batch only without padding); tests/test_moe_families.py's `CachedLLaDAMoE` adds
+  Fast-dLLM's prefix / dual caches.
 
 Where the real checkpoints keep the mask and eos ids (researched; the Hub itself was not reachable):
 - Neither config.json names a mask id, and no config names it `mask_token_id`. The dFactory training copy of the

@@ -1,5 +1,6 @@
 """LLaDA family: the model against an independent forward from raw tensors, and the exact sampler
-against the reference `generate()` semantics, token for token at temperature 0."""
+against the reference `generate()` semantics, token for token at temperature 0; seeded `random`
+remasking against the reference's global-RNG draws; Fast-dLLM's caches and unmask policies."""
 import pytest
 import torch
 from llada_reference import ReferenceLLaDA, reference_generate
@@ -42,23 +43,65 @@ def test_exact_sampler_matches_reference(llada_path, gen_length, block_length, s
     assert got.nfe == steps
 
 
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's batched input: prompts left-padded, with its attention mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+def until_stop(canvas: list[int], llm) -> list[int]:
+    return canvas[:next((i for i, t in enumerate(canvas) if t in llm.stop_ids), len(canvas))]
+
+
 def test_padded_batch_matches_reference_batch(llada_path):
     """The reference's own batched call (left padding + attention mask) against kstep's batch."""
     llm = kstep.load(llada_path)
     ref = ReferenceLLaDA(llada_path)
     prompts = [prompt_ids(9, 1, llm.cfg.vocab_size), prompt_ids(4, 2, llm.cfg.vocab_size)]
-    ids = torch.full((2, 9), llm.pad_id)
-    mask = torch.zeros(2, 9, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, 9 - len(p):] = torch.tensor(p)
-        mask[row, 9 - len(p):] = 1
+    ids, mask = left_padded(prompts, llm.pad_id)
     expected = reference_generate(ref, ids, mask, steps=16, gen_length=16, block_length=8,
                                   mask_id=llm.cfg.mask_token_id)
     got = llm.generate(prompts, max_tokens=16, block_length=8, steps=16, exact=True)
     for row, result in enumerate(got):
-        canvas = expected[row, 9:].tolist()
-        cut = next((i for i, t in enumerate(canvas) if t in llm.stop_ids), len(canvas))
-        assert result.token_ids == canvas[:cut]
+        assert result.token_ids == until_stop(expected[row, 9:].tolist(), llm)
+
+
+@pytest.mark.parametrize("gen_length,block_length,steps,cfg_scale", [
+    (16, 16, 16, 0.0), (32, 8, 16, 0.0), (24, 8, 9, 0.0), (16, 16, 5, 0.0), (16, 8, 8, 1.5),
+])
+def test_seeded_random_remasking_matches_reference(llada_path, gen_length, block_length, steps, cfg_scale):
+    """remasking=random with seed=s is LLaDA's generate after torch.manual_seed(s), which draws
+    torch.rand((B, L)) every step over the whole canvas (prompt and padding included): a left-padded
+    batch of two, token for token at temperature 0."""
+    llm = kstep.load(llada_path)
+    ref = ReferenceLLaDA(llada_path)
+    prompts = [prompt_ids(9, 5, llm.cfg.vocab_size), prompt_ids(4, 6, llm.cfg.vocab_size)]
+    ids, mask = left_padded(prompts, llm.pad_id)
+    torch.manual_seed(11)
+    expected = reference_generate(ref, ids, mask, steps=steps, gen_length=gen_length, block_length=block_length,
+                                  cfg_scale=cfg_scale, remasking="random", mask_id=llm.cfg.mask_token_id)
+    got = llm.generate(prompts, max_tokens=gen_length, block_length=block_length, steps=steps, exact=True,
+                       cfg_scale=cfg_scale, remasking="random", seed=11, early_stop=False)
+    for row, result in enumerate(got):
+        assert result.token_ids == until_stop(expected[row, 9:].tolist(), llm)
+
+
+def test_unseeded_random_remasking_stays_random(llada_path):
+    """Without a seed the draws come from torch's global RNG (as the reference's): they differ run to run."""
+    llm = kstep.load(llada_path)
+    prompt = prompt_ids(6, 2, llm.cfg.vocab_size)
+
+    def run(global_seed: int) -> list[int]:
+        torch.manual_seed(global_seed)
+        return llm.generate(prompt, max_tokens=32, block_length=8, exact=True, remasking="random",
+                            early_stop=False)[0].token_ids
+
+    assert run(0) == run(0) != run(1)
 
 
 @pytest.mark.parametrize("rule", ["random", "margin", "entropy", "low_confidence"])
@@ -102,19 +145,24 @@ def test_bfloat16_runs(llada_path, llama_path):
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
-@pytest.mark.parametrize("policy", [dict(), dict(threshold=0.05), dict(threshold=0.5)])
-def test_cache_modes_match_fast_dllm(llada_path, cache, policy):
-    """cache=none|prefix|dual with the fixed schedule or a threshold = Fast-dLLM's three generate functions."""
+@pytest.mark.parametrize("policy", [dict(), dict(threshold=0.05), dict(threshold=0.5), dict(factor=1.0),
+                                    dict(factor=4.0)])
+@pytest.mark.parametrize("remasking", ["low_confidence", "random"])
+def test_cache_modes_match_fast_dllm(llada_path, cache, policy, remasking):
+    """cache=none|prefix|dual with the fixed schedule, a threshold or a factor = Fast-dLLM's three generate
+    functions. Seeded `random` = theirs after torch.manual_seed: torch.rand((1, W)) per pass, W the whole
+    canvas in a block's full pass, [block start, end of canvas) in a prefix window pass, the block in a dual one."""
     from llada_reference import fast_dllm_generate
     llm = kstep.load(llada_path)
     ref = ReferenceLLaDA(llada_path)
     prompt = prompt_ids(6, 4, llm.cfg.vocab_size)
+    torch.manual_seed(7)
     expected, expected_nfe = fast_dllm_generate(ref, torch.tensor([prompt]), cache, steps=16, gen_length=32,
-                                                block_length=8, mask_id=llm.cfg.mask_token_id, **policy)
-    got = llm.generate(prompt, max_tokens=32, block_length=8, steps=16, cache=cache, early_stop=False, **policy)[0]
-    canvas = expected[0, len(prompt):].tolist()
-    cut = next((i for i, t in enumerate(canvas) if t in llm.stop_ids), len(canvas))
-    assert got.token_ids == canvas[:cut]
+                                                block_length=8, mask_id=llm.cfg.mask_token_id, remasking=remasking,
+                                                **policy)
+    got = llm.generate(prompt, max_tokens=32, block_length=8, steps=16, cache=cache, remasking=remasking, seed=7,
+                       early_stop=False, **policy)[0]
+    assert got.token_ids == until_stop(expected[0, len(prompt):].tolist(), llm)
     assert got.nfe == expected_nfe
     if cache != "none":
         assert got.timings["num_full_passes"] == 4 and got.timings["num_window_passes"] == got.nfe - 4

@@ -2,7 +2,8 @@
 published remote code, 2,602 cases identical), on tiny checkpoints written in the released layouts:
 forward logits, every router's expert ids and weights, LLaDA2.0's generate and LLaDA2.1's token
 editing token for token with no more forward passes, over grids of block length, steps, thresholds
-and edit settings; LLaDA-MoE on LLaDA's exact sampler and Fast-dLLM's threshold."""
+and edit settings; LLaDA-MoE on LLaDA's exact sampler and Fast-dLLM's threshold (its factor, CFG, seeded
+`random` remasking and the prefix / dual caches: tests/test_moe_families.py)."""
 import pytest
 import torch
 from llada_reference import fast_dllm_generate, reference_generate
@@ -183,8 +184,8 @@ def test_llada_moe_matches_its_reference_forward_routers_and_samplers(lladamoe_p
                                   mask_id=MASK_ID)
     exact = llm.generate(prompt, max_tokens=16, block_length=8, steps=16, exact=True, early_stop=False)[0]
     assert exact.token_ids == until_stop(expected[0, 6:].tolist(), llm) and exact.nfe == 16
-    # Fast-dLLM's threshold decoding without a cache (the reference model has no KV cache; kstep's prefix
-    # and dual caches are the code LLaDA's tests pin against Fast-dLLM's cached generate functions)
+    # Fast-dLLM's threshold decoding without a cache (ReferenceLLaDAMoE has no KV cache; the prefix and dual
+    # caches run on test_moe_families.py's CachedLLaDAMoE)
     expected, expected_nfe = fast_dllm_generate(ref, torch.tensor([prompt]), "none", steps=16, gen_length=32,
                                                 block_length=8, mask_id=MASK_ID, threshold=0.5)
     got = llm.generate(prompt, max_tokens=32, block_length=8, steps=16, cache="none", threshold=0.5,

@@ -1,11 +1,26 @@
 """The MoE families as checkpoints ship them: which family a config.json is, sharded safetensors
 with an index, per-expert tensors stacked at load, bf16 kept bf16, mask ids where the tokenizer
-files keep them, and packed batches equal to each request alone."""
+files keep them, and packed batches equal to each request alone. LLaDA-MoE on LLaDA's sampler
+with the knobs it shares with LLaDA (factor, cfg_scale, seeded `random` remasking), token for token
+against tests/llada_reference.py's samplers run on tests/moe_reference.py's LLaDA-MoE (the
+threshold and exact settings are in tests/test_llada2.py)."""
 import json
 import shutil
 
 import pytest
 import torch
+from llada_reference import fast_dllm_generate, reference_generate
+from moe_reference import (
+    FIRST_SPECIAL_ID,
+    MASK_ID,
+    ReferenceLLaDAMoE,
+    _attend,
+    _linear,
+    _partial_rotary,
+    _rms_norm,
+    _swiglu,
+    write_llada_moe_checkpoint,
+)
 
 import kstep
 from kstep.random_checkpoint import write_random_checkpoint
@@ -110,3 +125,105 @@ def test_router_choices_are_inspectable(llada2_path):
     llm.generate(PROMPTS[0], max_tokens=8, block_length=8)
     routing = moe.last_routing
     assert routing.expert_ids.shape[1] == 2 and torch.allclose(routing.weights.sum(-1), torch.tensor(2.5))
+
+
+class CachedLLaDAMoE(ReferenceLLaDAMoE):
+    """`ReferenceLLaDAMoE`'s layers with Fast-dLLM's LLaDA caches, in llada_reference.ReferenceLLaDA.forward's
+    contract: `forward(x, past=None, replace_start=None)` -> (logits, per-layer pre-rotary (k, v)); `past` alone:
+    keys = past + new, queries after the past (prefix); with `replace_start`: new keys overwrite the past's slots
+    from there (dual). Fast-dLLM has no LLaDA-MoE model code: this is its LLaDA cache on LLaDA-MoE's layer."""
+
+    def forward(self, x, attention_mask=None, past=None, replace_start=None):
+        c, w = self.c, self.w
+        B, L = x.shape
+        H, Hkv, hd, eps = self.H, self.Hkv, self.hd, c["rms_norm_eps"]
+        q_start = 0 if past is None else past[0][0].shape[2] if replace_start is None else replace_start
+        h = w["model.embed_tokens.weight"][x]
+        present = []
+        for i in range(c["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            a = _rms_norm(h, w[p + "input_layernorm.weight"], eps)
+            q, k, v = (_linear(w, a, p + f"self_attn.{name}_proj") for name in "qkv")
+            if c.get("qk_layernorm"):
+                q = _rms_norm(q.reshape(B, L, H, hd), w[p + "self_attn.q_norm.weight"], eps).reshape(B, L, -1)
+                k = _rms_norm(k.reshape(B, L, Hkv, hd), w[p + "self_attn.k_norm.weight"], eps).reshape(B, L, -1)
+            if c.get("clip_qkv") is not None:
+                q, k, v = (t.clamp(-c["clip_qkv"], c["clip_qkv"]) for t in (q, k, v))
+            q = q.view(B, L, H, hd).transpose(1, 2)
+            k, v = (t.view(B, L, Hkv, hd).transpose(1, 2) for t in (k, v))
+            if past is not None and replace_start is None:
+                k, v = torch.cat([past[i][0], k], 2), torch.cat([past[i][1], v], 2)
+            elif past is not None:
+                old_k, old_v = past[i][0].clone(), past[i][1].clone()
+                old_k[:, :, replace_start:replace_start + L], old_v[:, :, replace_start:replace_start + L] = k, v
+                k, v = old_k, old_v
+            present.append((k, v))
+            q = _partial_rotary(q, torch.arange(q_start, q_start + L), c["rope_theta"], self.rotary_dim)
+            k = _partial_rotary(k, torch.arange(k.shape[2]), c["rope_theta"], self.rotary_dim)
+            att = _attend(q, k, v, None).transpose(1, 2).reshape(B, L, H * hd)
+            h = h + _linear(w, att, p + "self_attn.o_proj")
+            f = _rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
+            if c["moe_layer_freq"][i] == 0:
+                h = h + _swiglu(w, f, p + "mlp.")
+                continue
+            y, _ = self._moe(f, p)
+            if p + "shared_expert.gate_proj.weight" in w:
+                y = y + _swiglu(w, f, p + "shared_expert.")
+            h = h + y
+        h = _rms_norm(h, w["model.norm.weight"], eps)
+        return h @ w["lm_head.weight"].T, present
+
+
+@pytest.fixture(scope="module")
+def released_lladamoe(tmp_path_factory):
+    """LLaDA-MoE in its released layout (tests/moe_reference.py's writer): kstep's and the reference's."""
+    path = write_llada_moe_checkpoint(tmp_path_factory.mktemp("released_lladamoe"), seed=1, num_key_value_heads=2,
+                                      moe_router_enable_expert_bias=True, shared_expert_intermediate_size=48)
+    ref = CachedLLaDAMoE(path)
+    ids = torch.randint(0, FIRST_SPECIAL_ID, (2, 13), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ref(ids), ReferenceLLaDAMoE(path)(ids))  # the cache changes nothing without a past
+    return kstep.load(path), ref
+
+
+def moe_prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, FIRST_SPECIAL_ID, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def until_stop(ids: list[int], llm) -> list[int]:
+    return ids[:next((i for i, t in enumerate(ids) if t in llm.stop_ids), len(ids))]
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("policy", [dict(), dict(threshold=0.5), dict(factor=1.0), dict(factor=4.0)])
+@pytest.mark.parametrize("remasking", ["low_confidence", "random"])
+def test_llada_moe_cache_modes_and_factor_match_fast_dllm(released_lladamoe, cache, policy, remasking):
+    """Fast-dLLM's fixed schedule, threshold and factor (get_transfer_index_dynamic) on LLaDA-MoE with each
+    cache, token for token and pass for pass; seeded `random` = the reference after torch.manual_seed."""
+    llm, ref = released_lladamoe
+    prompt = moe_prompt(6, 9)
+    torch.manual_seed(7)
+    expected, expected_nfe = fast_dllm_generate(ref, torch.tensor([prompt]), cache, steps=16, gen_length=32,
+                                                block_length=8, mask_id=MASK_ID, remasking=remasking, **policy)
+    got = llm.generate(prompt, max_tokens=32, block_length=8, steps=16, cache=cache, remasking=remasking, seed=7,
+                       early_stop=False, **policy)[0]
+    assert got.token_ids == until_stop(expected[0, 6:].tolist(), llm) and got.nfe == expected_nfe
+
+
+@pytest.mark.parametrize("gen_length,block_length,steps,cfg_scale,remasking", [
+    (16, 8, 16, 1.5, "low_confidence"), (24, 8, 9, 0.5, "low_confidence"), (16, 16, 16, 0.0, "random"),
+    (32, 8, 16, 0.0, "random"), (24, 8, 9, 0.0, "random"), (16, 8, 8, 1.5, "random"),
+])
+def test_llada_moe_cfg_and_seeded_random_match_llada_generate(released_lladamoe, gen_length, block_length, steps,
+                                                              cfg_scale, remasking):
+    """LLaDA's generate on LLaDA-MoE: cfg_scale (the prompt masked in the unconditional rows) and seeded
+    `random` (torch.rand((B, L)) over the whole canvas each step), a batch of two prompts of one length (the
+    reference ignores attention masks), token for token at temperature 0."""
+    llm, ref = released_lladamoe
+    prompts = [moe_prompt(6, 9), moe_prompt(6, 10)]
+    torch.manual_seed(3)
+    expected = reference_generate(ref, torch.tensor(prompts), steps=steps, gen_length=gen_length,
+                                  block_length=block_length, cfg_scale=cfg_scale, remasking=remasking, mask_id=MASK_ID)
+    got = llm.generate(prompts, max_tokens=gen_length, block_length=block_length, steps=steps, exact=True,
+                       cfg_scale=cfg_scale, remasking=remasking, seed=3, early_stop=False)
+    for row, result in enumerate(got):
+        assert result.token_ids == until_stop(expected[row, 6:].tolist(), llm) and result.nfe == steps

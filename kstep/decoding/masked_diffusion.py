@@ -11,6 +11,13 @@ never re-masked. Positions outside the current block can never be unmasked, so l
 computed for the block. The mask token itself is never proposed (the references could write it
 back into a masked position and leave a mask in the output).
 
+Seeded `random` remasking draws what the references draw (unmask.py's `drawn_over`): one
+torch.rand per row and position of the reference pass (the whole canvas in a full pass, [block
+start, end of canvas) in a `prefix` window pass, the block in a `dual` one), so at temperature 0
+`seed=s` equals LLaDA's generate / Fast-dLLM's after `torch.manual_seed(s)`. At temperature > 0
+the Gumbel noise is drawn over the computed columns only (the references draw it over every
+position's logits, (B, L, V) float64), so there the streams differ.
+
 Cache modes (Fast-dLLM): `none` runs the whole canvas every step; `prefix` and `dual` run one full
 pass at each block start that stores every position's keys/values, then each step runs only
 [block start, end of canvas) (`prefix`) or the block alone (`dual`, the suffix's keys/values reused
@@ -110,8 +117,10 @@ class DiffusionDecoder(Decoder):
         (start, end), L, cache = self.block, self.canvas.shape[1], self.params.cache
         self.columns = (self.canvas[:, start:end] == self.mask_id).any(0).nonzero().squeeze(1)  # (t,)
         if cache == "none" or self.step_idx == 0:
+            self.drawn_over = (L, start + self.columns)  # the references' full pass: every position
             return [self.runner.full_pass(ids, key_mask, start, end, self.kv, self.columns)]
         window_end = L if cache == "prefix" else end
+        self.drawn_over = (window_end - start, self.columns)  # their window pass: [start, window_end)
         return [self.runner.window_pass(ids, key_mask, start, window_end, L, end - start, self.kv, self.columns)]
 
     def update(self, logits: list[torch.Tensor]) -> StepOutput:
@@ -131,7 +140,7 @@ class DiffusionDecoder(Decoder):
         proposal = constrain_outputs(proposal, (start - self.prompt_len + columns)[None], self.stop_ids, p.min_tokens,
                                      self.first_allowed)
         picked = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, t)
-        picked_confidence = self.rule(logits, picked, self.generator)  # (B, t)
+        picked_confidence = self.rule(logits, picked, self.generator, self.drawn_over)  # (B, t)
         # Back to the whole block: positions without logits are unmasked already in every row.
         candidates = torch.zeros_like(block).index_copy_(1, columns, picked)
         confidence = torch.full(block.shape, float("-inf"), device=block.device).index_copy_(

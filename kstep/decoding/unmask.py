@@ -3,12 +3,15 @@ unmask policy that decides how many of them to unmask.
 
 Confidence rules: `low_confidence` and `random` are LLaDA's remasking strategies (`generate.py`);
 `margin` and `entropy` are Dream's `topk_margin` and `entropy` algorithms (top-1 minus top-2
-probability, negative entropy). Higher confidence is unmasked first.
+probability, negative entropy). Higher confidence is unmasked first. A rule may be told the shape
+its pass's reference draws over (`drawn_over`): `random` then draws as LLaDA's generate.py and
+Fast-dLLM do, `torch.rand((B, width))` over every position of the pass, and reads the columns it
+scores, so a seeded run reproduces the reference's numbers after `torch.manual_seed(seed)`.
 
 Policies (one strategy each, built from the `UnmaskPolicy` that params resolution chose): the
 fixed linear schedule, Fast-dLLM's confidence threshold, Fast-dLLM's factor rule.
 """
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -16,24 +19,42 @@ from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.sampling import sampling_probs
 from kstep.params import REMASKING_RULES, GenerationParams, UnmaskPolicy
 
-ConfidenceRule = Callable[[torch.Tensor, torch.Tensor, torch.Generator | None], torch.Tensor]
+# (width, index): the pass's reference draws over `width` positions per row; the scored positions are
+# `index` (t,) among them.
+DrawnOver = tuple[int, torch.Tensor]
 
 
-def low_confidence(logits, candidates, generator):
+class ConfidenceRule(Protocol):
+    def __call__(self, logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None,
+                 drawn_over: DrawnOver | None = None) -> torch.Tensor: ...
+
+
+def low_confidence(logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None,
+                   drawn_over: DrawnOver | None = None) -> torch.Tensor:
     probs = logits.float().softmax(-1)  # (B, T, V)
     return probs.gather(-1, candidates.unsqueeze(-1)).squeeze(-1)  # (B, T)
 
 
-def random_confidence(logits, candidates, generator):
-    return torch.rand(candidates.shape, generator=generator, device=candidates.device)
+def random_confidence(logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None,
+                      drawn_over: DrawnOver | None = None) -> torch.Tensor:
+    """Uniform scores (B, T). With `drawn_over`, the references' draw: LLaDA's generate.py and
+    Fast-dLLM's get_transfer_index draw torch.rand((B, L)) (float32, on the logits' device) over
+    every position of the pass's logits, scored or not; the scored columns are read from it."""
+    if drawn_over is None:
+        return torch.rand(candidates.shape, generator=generator, device=candidates.device)
+    width, index = drawn_over
+    draws = torch.rand((candidates.shape[0], width), generator=generator, device=candidates.device)  # (B, width)
+    return draws[:, index]  # (B, T)
 
 
-def margin(logits, candidates, generator):
+def margin(logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None,
+           drawn_over: DrawnOver | None = None) -> torch.Tensor:
     top2 = logits.float().softmax(-1).topk(2, dim=-1).values  # (B, T, 2)
     return top2[..., 0] - top2[..., 1]
 
 
-def entropy(logits, candidates, generator):
+def entropy(logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None,
+            drawn_over: DrawnOver | None = None) -> torch.Tensor:
     logp = logits.float().log_softmax(-1)
     return (logp.exp() * logp).sum(-1)  # negative entropy, (B, T)
 
