@@ -12,7 +12,7 @@ are Dream's (`diffusion_generate`).
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
-from kstep.validation import check_int, check_number
+from kstep.validation import MAX_SEED, check_int, check_number, check_pass_bound
 
 # The kinds of family: masked diffusion over a canvas (LLaDA, Dream), block diffusion (bidirectional
 # inside a block, causal across: Fast-dLLM v2, SDAR), autoregressive; uniform diffusion: canvases
@@ -31,6 +31,7 @@ DEFAULT_BLOCK_LENGTH = 32  # LLaDA-Instruct's recommended semi-autoregressive bl
 DEFAULT_CACHE = "dual"
 DEFAULT_THRESHOLD = 0.9
 DEFAULT_NUM_DRAFT_TOKENS = 4  # speculative decoding, when a draft is loaded
+DEFAULT_MAX_POST_STEPS = 16  # LLaDA2.1's token editing
 CACHE_MODES = ("none", "prefix", "dual")
 # Unmask rules (confidence scores, `decoding/unmask.py`): LLaDA's low_confidence / random, Dream's
 # maskgit_plus (= low_confidence), topk_margin (= margin) and entropy.
@@ -72,7 +73,7 @@ class GenerationParams:
     block_length: int | None = knob(None, "semi-autoregressive block (default: 32 when it divides max tokens, "
                                           "else max tokens; block diffusion: the checkpoint's block size)", DENOISING)
     remasking: str = knob("low_confidence", "unmask rule", DENOISING, REMASKING_RULES)
-    cfg_scale: float = knob(0.0, "LLaDA's unsupervised classifier-free guidance", ("llada",))
+    cfg_scale: float = knob(0.0, "LLaDA's unsupervised classifier-free guidance", ("llada", "llada_moe"))
     cache: str | None = knob(None, "diffusion KV cache: none, prefix, dual (Fast-dLLM; the default); Fast-dLLM v2: "
                                    "dual = its block cache (use_block_cache: a sub-block's passes against the "
                                    "block's cached keys), none the default", (DIFFUSION, "fast_dllm_v2"), CACHE_MODES)
@@ -80,7 +81,7 @@ class GenerationParams:
                                          "as its references), at least one "
                                          "(default 0.9 unless steps or factor is given; block diffusion: with steps, "
                                          "at least the schedule's count)", DENOISING)
-    factor: float | None = knob(None, "Fast-dLLM's factor unmask rule", ("llada",))
+    factor: float | None = knob(None, "Fast-dLLM's factor unmask rule", ("llada", "llada_moe"))
     exact: bool = knob(False, "the reference sampler: no cache, fixed schedule, one token per pass "
                               "(or steps passes)", DENOISING)
     alg_temp: float | None = knob(None, "Dream's alg_temp: sample which masks to unmask from "
@@ -132,7 +133,7 @@ class GenerationParams:
         check_number("temperature", self.temperature, 0)
         check_int("top_k", self.top_k, 1)
         check_number("top_p", self.top_p, 0, 1, exclusive_low=True)
-        check_int("seed", self.seed, None)
+        check_int("seed", self.seed, 0, MAX_SEED, f"an integer in [0, {MAX_SEED}]")
         check_int("steps", self.steps, 1)
         check_int("block_length", self.block_length, 1)
         check_int("sub_block_length", self.sub_block_length, 1)
@@ -171,9 +172,11 @@ class GenerationParams:
     def num_blocks(self) -> int:
         return self.max_tokens // self.block_length
 
-    def resolve(self, family: str, kind: str, has_draft: bool = False) -> "GenerationParams":
+    def resolve(self, family: str, kind: str, has_draft: bool = False,
+                canvas_length: int | None = None) -> "GenerationParams":
         """The params a decoder of `family` (of `kind`) runs: knobs it does not use are refused, the
-        defaults filled in, the unmask policy chosen. Called once, at the edge."""
+        defaults filled in, the unmask policy chosen, the passes bounded (MAX_PASSES_PER_POSITION;
+        `canvas_length`: a random-start model's canvas). Called once, at the edge."""
         if self.is_resolved:
             return self
         for f in user_knobs():
@@ -193,7 +196,13 @@ class GenerationParams:
             filled = replace(self, **{k: v for k, v in UNIFORM_DEFAULTS.items() if getattr(self, k) is None})
             if filled.t_max <= filled.t_min:
                 raise ValueError(f"t_max ({filled.t_max}) must be greater than t_min ({filled.t_min})")
-            return replace(filled, is_resolved=True)
+            if canvas_length is not None:
+                check_pass_bound("max_denoising_steps", filled.max_denoising_steps, canvas_length,
+                                 f"a canvas of {canvas_length}", UNIFORM_DEFAULTS["max_denoising_steps"])
+            # Its canvases start from random tokens: temperature 0 (top-1 sampling) repeats only with a
+            # fixed seed, so it gets one (0) unless the request chose its own.
+            seed = 0 if filled.seed is None and filled.temperature == 0 else filled.seed
+            return replace(filled, seed=seed, is_resolved=True)
         return self._resolve_diffusion(family in WHOLE_CANVAS_REFERENCE)
 
     @staticmethod
@@ -235,10 +244,11 @@ class GenerationParams:
         else:
             policy = UnmaskPolicy("fixed", steps)
         threshold = policy.value if policy.kind == "threshold" else None
-        fused = self.fused_commit and not self.exact
-        post = None if self.editing_threshold is None else 16 if self.max_post_steps is None else self.max_post_steps
-        return replace(self, steps=steps, threshold=threshold, policy=policy, sub_block_length=sub, fused_commit=fused,
-                       max_post_steps=post, cache=self.cache or "none", is_resolved=True)
+        post = None if self.editing_threshold is None else check_pass_bound(
+            "max_post_steps", DEFAULT_MAX_POST_STEPS if self.max_post_steps is None else self.max_post_steps,
+            self.block_length, f"a block of {self.block_length}", DEFAULT_MAX_POST_STEPS)
+        return replace(self, steps=steps, threshold=threshold, policy=policy, sub_block_length=sub, max_post_steps=post,
+                       fused_commit=self.fused_commit and not self.exact, cache=self.cache or "none", is_resolved=True)
 
     def _resolve_diffusion(self, whole_canvas_reference: bool) -> "GenerationParams":
         """Defaults: the dual cache, and the 0.9 confidence threshold unless `steps` or `factor`
@@ -254,6 +264,7 @@ class GenerationParams:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be a multiple of block_length ({block})")
         num_blocks = self.max_tokens // block
         steps = self.max_tokens if self.steps is None else self.steps
+        check_pass_bound("steps", steps, self.max_tokens, f"the completion (max_tokens {self.max_tokens})")
         if steps % num_blocks:
             raise ValueError(f"steps ({steps}) must divide evenly across the {num_blocks} blocks "
                              f"(max_tokens {self.max_tokens} / block_length {block})")

@@ -2,6 +2,13 @@
 that names the value and the rule, never an assert. Plain Python, no torch."""
 import math
 
+# No knob may ask for more forward passes than this many per position it refines (Dream's steps per
+# completion token, LLaDA2.1's editing passes per block position, DiffusionGemma's passes per canvas
+# position): every reference default stays far below it (Dream 1, LLaDA2.1 0.5, DiffusionGemma 0.19),
+# and past it a request only holds its slot. `kstep serve --max-request-passes` caps the total too.
+MAX_PASSES_PER_POSITION = 4
+MAX_SEED = 2**63 - 1  # a torch generator's seed, as OpenAI's int64 `seed`
+
 
 def check_int(name: str, value, low: int | None, high: int | None = None, rule: str | None = None) -> None:
     if value is None:
@@ -22,3 +29,13 @@ def check_number(name: str, value, low: float, high: float | None = None, exclus
         low_text = f"> {low}" if exclusive_low else f">= {low}"
         raise ValueError(f"{name} must be {low_text}" + (f" and <= {high}" if high is not None else "") +
                          f", got {value}")
+
+
+def check_pass_bound(name: str, passes: int, positions: int, what: str, default: int = 0) -> int:
+    """`passes`, which a knob that multiplies passes asks for: at most MAX_PASSES_PER_POSITION per
+    position (and always its reference `default`)."""
+    limit = max(MAX_PASSES_PER_POSITION * positions, default)
+    if passes > limit:
+        raise ValueError(f"{name} ({passes}) exceeds its limit of {limit}: at most {MAX_PASSES_PER_POSITION} "
+                         f"passes per position of {what}")
+    return passes

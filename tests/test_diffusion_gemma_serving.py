@@ -96,7 +96,8 @@ def test_serve_streams_committed_canvases_and_the_refining_canvas(gemma_server, 
 
 
 @pytest.mark.parametrize("extra,param", [({"steps": 4}, "steps"), ({"t_max": 0.2}, "t_max"),
-                                         ({"entropy_bound": -1}, "entropy_bound")])
+                                         ({"entropy_bound": -1}, "entropy_bound"),
+                                         ({"max_denoising_steps": 10**9}, "max_denoising_steps")])
 def test_serve_refuses_knobs_it_cannot_run_naming_the_field(gemma_server, extra, param):
     r = httpx.post(gemma_server + "/v1/completions", json={"model": "g", "prompt": "x", "max_tokens": 4, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param

@@ -80,7 +80,10 @@ def test_token_editing_streams_only_settled_text_and_marks_edits(moe_server, moe
 def test_editing_knobs_are_refused_on_other_families_and_with_exact(moe_server):
     for model, body, field in (("lm", {"editing_threshold": 0.5}, "editing_threshold"),
                                ("l2", {"editing_threshold": 0.5, "exact": True}, "editing_threshold"),
-                               ("l2", {"max_post_steps": 3}, "max_post_steps")):
+                               ("l2", {"max_post_steps": 3}, "max_post_steps"),
+                               # bounded: 4 passes per position of a block of 32
+                               ("l2", {"editing_threshold": 0.001, "max_post_steps": 10**9}, "limit of 128")):
         r = httpx.post(moe_server + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 4, **body})
         assert r.status_code == 400 and field in r.json()["error"]["message"], (model, body, r.text)
+        assert r.json()["error"]["param"] in body, r.text
     assert client(moe_server).completions.create(model="l2", prompt="x", max_tokens=4).choices[0].finish_reason

@@ -216,13 +216,13 @@ def test_full_queue_answers_429_and_others_finish(llada_path):
 
 
 def test_disconnected_client_frees_its_slot(llada_server):
-    cancelled = metric(llada_server, "kstep_requests_total", 'status="cancelled"')
+    cancelled = metric(llada_server, "kstep_requests_total", 'status="499"')
     with httpx.stream("POST", llada_server + "/v1/completions", json={
-            "model": "tiny", "prompt": "x", "max_tokens": 960, "temperature": 0, "stream": True}) as r:
+            "model": "tiny", "prompt": "x", "max_tokens": 960, "temperature": 0, "stream": True}, timeout=60) as r:
         assert r.status_code == 200
         next(r.iter_lines())  # the request is running; now hang up
     for _ in range(100):
-        if metric(llada_server, "kstep_requests_total", 'status="cancelled"') > cancelled and \
+        if metric(llada_server, "kstep_requests_total", 'status="499"') > cancelled and \
                 httpx.get(llada_server + "/health").json()["running"] == 0:
             break
         threading.Event().wait(0.1)
@@ -241,8 +241,8 @@ def test_metrics_are_exported(llada_server):
     assert metric(llada_server, "kstep_requests_total", 'status="200"') > 0
 
 
-def test_sigterm_finishes_in_flight_requests(llada_path):
-    with running_server(llada_path, "--served-model-name", "tiny") as (url, proc):
+def test_sigterm_with_a_drain_time_finishes_in_flight_requests(llada_path):
+    with running_server(llada_path, "--served-model-name", "tiny", "--graceful-timeout", "120") as (url, proc):
         result = {}
 
         def slow_request():

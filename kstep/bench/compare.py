@@ -35,6 +35,7 @@ from kstep.bench.cost_model import (
     diffusion_cost,
 )
 from kstep.bench.compare_report import format_row, plot
+from kstep.bench.profiling import cpu_profile
 from kstep.bench.uniform_cost import uniform_diffusion_cost
 from kstep.llm import LLM, load
 from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, UNIFORM_DIFFUSION, GenerationParams
@@ -108,7 +109,7 @@ def profile_generation(llm: LLM, prompt_ids: list[int], params: GenerationParams
     labels = {"attention": "kstep.attention", "lm_head": "kstep.lm_head", "forward": "kstep.forward",
               "sampling_unmasking": "kstep.update"}
     runner = llm.runner
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with cpu_profile() as prof:
         start = time.perf_counter()
         decoder = llm.make_decoder([prompt_ids], llm.resolve(params))
         while passes := decoder.next_passes():

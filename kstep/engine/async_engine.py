@@ -1,6 +1,7 @@
 """The asyncio face of the engine: one loop that steps the engine in a worker thread (torch
 releases the GIL, so the event loop keeps serving HTTP during a pass) and routes each step's
-outputs to per-request queues. Cancellation is a flag the next step honours.
+outputs to per-request queues. Cancellation is a flag the next step honours; a shutdown ends
+every request at once (`end_all`) rather than letting them run out the server's grace period.
 
 All of a server's torch work (loading, warm-up, every step) runs on that one thread
 (`torch_thread`): each thread that runs a parallel op gets its own OpenMP team, and once a process
@@ -18,6 +19,10 @@ from kstep.engine.request import Request, RequestOutput
 log = logging.getLogger("kstep.engine")
 
 
+class ShuttingDown(Exception):
+    pass
+
+
 def torch_thread() -> ThreadPoolExecutor:
     """The one thread a server runs torch on (see the module note): load the model through it."""
     return ThreadPoolExecutor(1, thread_name_prefix="kstep-engine")
@@ -31,6 +36,7 @@ class AsyncEngine:
         self._executor = executor or torch_thread()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.is_closing = False
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -48,7 +54,9 @@ class AsyncEngine:
         self._executor.shutdown(wait=True)
 
     def submit(self, request: Request) -> asyncio.Queue[RequestOutput]:
-        """Queue a request; raises QueueFull. Its outputs arrive on the returned queue."""
+        """Queue a request; raises QueueFull (or ShuttingDown). Its outputs arrive on the returned queue."""
+        if self.is_closing:
+            raise ShuttingDown("the server is shutting down: it takes no new requests")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.engine.add_request(request)
         self.queues[request.request_id] = queue
@@ -59,6 +67,17 @@ class AsyncEngine:
         """Cancel a request (client gone): it leaves the batch at the next step and frees its slot."""
         self.queues.pop(request_id, None)
         self.engine.abort(request_id)
+        self._wake.set()
+
+    def end_all(self, message: str) -> None:
+        """Shutdown: take no new requests and end every queued and running one now, each with a 503
+        output saying `message` (they leave the batch at the next step)."""
+        self.is_closing = True
+        for request_id, queue in list(self.queues.items()):
+            queue.put_nowait(RequestOutput(request_id, [], 0, is_finished=True, error=message, error_status=503,
+                                           error_code="server_shutdown"))
+            self.engine.abort(request_id)
+        self.queues.clear()
         self._wake.set()
 
     async def _run(self) -> None:

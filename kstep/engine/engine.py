@@ -23,6 +23,23 @@ from kstep.runner.model_runner import execute_passes
 from kstep.runner.prefix_cache import PrefixCache
 
 
+@dataclass(slots=True, frozen=True)
+class RequestLimits:
+    """A server's ceiling on one request, whatever its knobs: forward passes, and seconds since it
+    joined the batch (None: no limit). A request that reaches one ends at once with what it has
+    committed (finish_reason "length"), so none can hold a slot indefinitely."""
+    max_passes: int | None = None
+    max_seconds: float | None = None
+
+    def reached(self, passes: int, seconds: float) -> tuple[str, float] | None:
+        """The limit (name, value) a request with these passes and seconds has reached, if any."""
+        if self.max_passes is not None and passes >= self.max_passes:
+            return "max_request_passes", self.max_passes
+        if self.max_seconds is not None and seconds >= self.max_seconds:
+            return "max_request_seconds", self.max_seconds
+        return None
+
+
 @dataclass(slots=True)
 class StepStats:
     batch_size: int              # requests in the step
@@ -33,8 +50,9 @@ class StepStats:
 
 
 class Engine:
-    def __init__(self, llm: LLM, max_batch_size: int = 16, max_queue: int = 256, prefix_cache_bytes: int = 0):
-        self.llm = llm
+    def __init__(self, llm: LLM, max_batch_size: int = 16, max_queue: int = 256, prefix_cache_bytes: int = 0,
+                 limits: RequestLimits = RequestLimits()):
+        self.llm, self.limits = llm, limits
         self.scheduler = Scheduler(max_batch_size, max_queue)
         # AR and block-diffusion prompts share keys (causal across blocks); a canvas diffusion model's do not.
         # A cached block must hold whole model blocks (a block's keys depend on all of it).
@@ -77,6 +95,7 @@ class Engine:
         logits = iter(execute_passes(flat))
         step_outputs = [r.decoder.update([next(logits) for _ in ps]) for r, ps in zip(batch, passes, strict=True)]
         self.scheduler.update(batch, step_outputs)
+        self._end_at_limits(batch)
         outputs += [self._output(r, out) for r, out in zip(batch, step_outputs, strict=True)]
         stats = StepStats(len(batch), len({id(p.runner) for p in flat}), sum(p.num_tokens for p in flat),
                           time.perf_counter() - start, sum(out.num_committed for out in step_outputs))
@@ -85,8 +104,17 @@ class Engine:
             self.llm.pass_costs.observe_step(flat, stats.seconds)
         return outputs, stats
 
+    def _end_at_limits(self, batch: list[Request]) -> None:
+        """End the running requests that reached a server limit (RequestLimits)."""
+        now = time.monotonic()
+        for request in batch:
+            if not request.is_finished and (limit := self.limits.reached(request.nfe, now - request.admitted_time)):
+                request.is_finished, request.limit = True, limit
+                self.scheduler.finish(request)
+
     def _admit(self, request: Request) -> RequestOutput | None:
         """Create the request's decoder (allocates its KV cache); a failure fails only this request."""
+        request.admitted_time = time.monotonic()
         try:
             request.decoder = self.llm.make_decoder(request.rows, request.params, self.prefix_cache,
                                                     request.include_canvas, request.per_row(request.first_tokens),
@@ -95,7 +123,8 @@ class Engine:
             self.scheduler.finish(request)
             return RequestOutput(request.request_id, [], 0, is_finished=True, error=str(e))
         given_back = request.per_row(request.given_back) or [""] * request.num_rows
-        self.streams[request.request_id] = [TextStream(self.llm.tokenizer, self.llm.stop_ids, request.stop, text)
+        stop_ids = [] if request.params.ignore_eos else self.llm.stop_ids  # every token is the completion's
+        self.streams[request.request_id] = [TextStream(self.llm.tokenizer, stop_ids, request.stop, text)
                                             for text in given_back]
         return None
 
@@ -121,9 +150,10 @@ class Engine:
                 choices.append(ChoiceDelta(index, text, ids, stream.finish_reason, canvas, pieces, edits))
         if request.is_finished:
             self.streams.pop(request.request_id, None)
+        # OpenAI counts the prompt once however many choices (n) it has
         return RequestOutput(request.request_id, choices, request.nfe, request.is_finished,
-                             prompt_tokens=sum(len(p) for p in request.prompts) * request.n,
-                             completion_tokens=sum(s.num_tokens for s in streams))
+                             prompt_tokens=sum(len(p) for p in request.prompts),
+                             completion_tokens=sum(s.num_tokens for s in streams), limit=request.limit)
 
 
 def warm_up(llm: LLM) -> None:

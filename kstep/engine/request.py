@@ -26,6 +26,8 @@ class Request:
     plan: Any = None                 # a time budget's budget.Plan (its prediction goes out in the usage)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival_time: float = field(default_factory=time.monotonic)
+    admitted_time: float | None = None  # when it joined the batch (the server's max_request_seconds counts from it)
+    limit: tuple[str, float] | None = None  # the server limit that ended it (name, value), if one did
     decoder: Any = None              # created when the request is admitted; dropped when it finishes
     is_aborted: bool = False
     is_finished: bool = False
@@ -75,3 +77,6 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None         # a request that failed inside the engine (the others keep running)
+    error_status: int = 500          # ... its HTTP status: 500, or 503 when the server is shutting down
+    error_code: str = "engine_error"
+    limit: tuple[str, float] | None = None  # the server limit (name, value) that ended the request

@@ -18,11 +18,12 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kstep.engine.async_engine import AsyncEngine
-from kstep.engine.engine import Engine, warm_up
+from kstep.engine.async_engine import AsyncEngine, ShuttingDown
+from kstep.engine.engine import Engine, RequestLimits, warm_up
 from kstep.engine.request import Request as EngineRequest
 from kstep.engine.scheduler import QueueFull
 from kstep.llm import LLM
+from kstep.validation import MAX_PASSES_PER_POSITION
 from kstep.server.errors import APIError, BodySizeLimit, install_error_handlers, param_named_in
 from kstep.server.metrics import Metrics, ModelMetrics
 from kstep.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -61,6 +62,15 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256           # chat requests without max_tokens (completions: 16, as OpenAI)
     prefix_cache_bytes: int = 256 << 20     # AR prefix cache budget per model (0: off)
+    # One request's ceiling (RequestLimits). Passes: None = MAX_PASSES_PER_POSITION x the model's
+    # context; seconds in the batch: the official openai client's own default timeout. 0: no limit.
+    max_request_passes: int | None = None
+    max_request_seconds: float = 600.0
+
+    def limits(self, llm: LLM) -> RequestLimits:
+        passes = MAX_PASSES_PER_POSITION * llm.cfg.max_positions if self.max_request_passes is None \
+            else self.max_request_passes
+        return RequestLimits(passes or None, self.max_request_seconds or None)
 
 
 def build_app(models: list[ServedModel], config: ServeConfig) -> FastAPI:
@@ -69,7 +79,7 @@ def build_app(models: list[ServedModel], config: ServeConfig) -> FastAPI:
     metrics = Metrics()
     routes = Routes(config, [
         ModelRoute(m.name, m.llm, m.defaults, AsyncEngine(
-            Engine(m.llm, config.max_batch_size, config.max_queue, config.prefix_cache_bytes),
+            Engine(m.llm, config.max_batch_size, config.max_queue, config.prefix_cache_bytes, config.limits(m.llm)),
             metrics.for_model(m.name).observe_step, m.executor), metrics.for_model(m.name)) for m in models])
 
     @asynccontextmanager
@@ -133,6 +143,20 @@ class Routes:
     def __init__(self, config: ServeConfig, routes: list[ModelRoute]):
         self.config = config
         self.by_name = {r.name: r for r in routes}
+
+    # Shutdown (server/shutdown.py): refuse new requests, then end the ones in flight.
+    def refuse_new(self) -> None:
+        for route in self.by_name.values():
+            route.engine.is_closing = True
+
+    def num_in_flight(self) -> int:
+        return sum(r.engine.engine.scheduler.num_running + r.engine.engine.scheduler.num_waiting
+                   for r in self.by_name.values())
+
+    def end_in_flight(self) -> None:
+        """Every model's queued and running requests end now, each answered with a 503."""
+        for route in self.by_name.values():
+            route.engine.end_all("the server is shutting down: the request was stopped before it finished")
 
     def models(self) -> dict:
         return {"object": "list", "data": [{
@@ -251,8 +275,11 @@ class Routes:
             queue = route.engine.submit(engine_request)
         except QueueFull as e:
             raise APIError(429, str(e), code="queue_full", kind="rate_limit_error") from None
+        except ShuttingDown as e:
+            raise APIError(503, str(e), code="server_shutdown", kind="server_error") from None
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         stream = Stream(response_id, route.name, chat, engine_request, prefixes)
+        stream.watch(request, queue, route.engine)
         if body.stream:
             return StreamingResponse(stream.events(queue, route.engine, route.metrics), media_type="text/event-stream")
-        return await stream.collect(queue, request, route.engine, route.metrics)
+        return await stream.collect(queue, route.metrics)

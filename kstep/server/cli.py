@@ -25,8 +25,16 @@ def add_serve(sub) -> None:
     serve.add_argument("--default-max-tokens", type=int, default=256, help="chat max_tokens when not given")
     serve.add_argument("--prefix-cache-mib", type=int, default=256,
                        help="prefix cache budget per model in MiB (0 turns it off; AR and block-diffusion models)")
-    serve.add_argument("--graceful-timeout", type=float, default=30.0,
-                       help="seconds SIGTERM waits for in-flight requests before exiting")
+    serve.add_argument("--graceful-timeout", type=float, default=None,
+                       help="on SIGTERM / Ctrl-C, seconds the running requests may still go on (new ones get "
+                            "503) before every request in flight is ended with a 503; default 0: at once "
+                            "(with --replicas: Ray Serve's drain, default 30)")
+    serve.add_argument("--max-request-passes", type=int, default=None,
+                       help="a request that has run this many forward passes ends with finish_reason 'length' "
+                            "(usage names the limit); default 4 x each model's context; 0: no limit")
+    serve.add_argument("--max-request-seconds", type=float, default=600.0,
+                       help="the same for seconds in the batch (default 600, the openai client's own timeout; "
+                            "0: no limit)")
     add_device_flags(serve, threads=True)
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--replicas", type=int, default=None,
@@ -47,10 +55,9 @@ def add_serve(sub) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kstep.params import GenerationParams
     from kstep.server.app import ServeConfig, build_app
+    from kstep.server.shutdown import serve
     from kstep.server.loading import LoadOptions, load_served_models
     from kstep.server.model_specs import parse_model_spec
     if args.prefix_cache_mib < 0:
@@ -58,6 +65,10 @@ def run_serve(args: argparse.Namespace) -> int:
     for name in ("port", "max_batch_size", "max_queue", "max_body_bytes", "default_max_tokens"):
         if getattr(args, name) <= 0 or (name == "port" and args.port > 65535):
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
+    for name in ("graceful_timeout", "max_request_passes", "max_request_seconds"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value < float("inf"):
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be a number >= 0")
     shared = knobs_given(args)
     GenerationParams(**shared)  # a bad default fails now, naming the flag's value
     specs = [parse_model_spec(text) for text in args.model or ["default"]]
@@ -73,15 +84,16 @@ def run_serve(args: argparse.Namespace) -> int:
     options = LoadOptions(args.device, args.dtype, args.threads, args.draft, args.quantize, shared)
     config = ServeConfig(api_key=args.api_key, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
-                         prefix_cache_bytes=args.prefix_cache_mib << 20)
+                         prefix_cache_bytes=args.prefix_cache_mib << 20, max_request_passes=args.max_request_passes,
+                         max_request_seconds=args.max_request_seconds)
     if args.replicas is not None:
         if args.replicas <= 0 or args.cpus_per_replica <= 0:
             raise ValueError(f"--replicas {args.replicas} and --cpus-per-replica {args.cpus_per_replica} "
                              "must be positive")
         from kstep.server.replicas import ReplicaOptions, serve_replicas
         return serve_replicas(specs, options, config, ReplicaOptions(
-            args.replicas, args.cpus_per_replica, args.ray_address, args.host, args.port, args.graceful_timeout))
+            args.replicas, args.cpus_per_replica, args.ray_address, args.host, args.port,
+            30.0 if args.graceful_timeout is None else args.graceful_timeout))
     served = load_served_models(specs, options, announce=f"on http://{args.host}:{args.port}/v1")
-    uvicorn.run(build_app(served, config), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.graceful_timeout)
+    serve(build_app(served, config), args.host, args.port, args.log_level, args.graceful_timeout or 0.0)
     return 0

@@ -102,6 +102,11 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
+        # refused before routing, but a body that names a served model is that model's error
+        body = getattr(e, "body", None)
+        model = body.get("model") if isinstance(body, dict) else None
+        if isinstance(model, str) and model in request.app.state.routes.by_name:
+            request.state.model = model
         return await api_error(request, _validation_message(e))
 
     @app.exception_handler(HTTPException)

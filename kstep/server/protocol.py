@@ -57,7 +57,7 @@ class SamplingFields(KstepFields):
     temperature: Number | None = Field(default=None, ge=0, le=2)
     top_p: Number | None = Field(default=None, gt=0, le=1)
     n: StrictInt = Field(default=1, ge=1, le=16)
-    seed: StrictInt | None = Field(default=None, ge=-2**63, lt=2**63)  # int64, as torch's generator takes
+    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)  # a torch generator seed (OpenAI: int64)
     stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

@@ -1,9 +1,14 @@
 """One response's output: a request's engine outputs as OpenAI JSON (collected) or server-sent
-events (streamed, one chunk per step that committed text)."""
+events (streamed, one chunk per step that committed text).
+
+A response watches its client from the start: once the connection closes (ASGI `http.disconnect`,
+which uvicorn reports as soon as the socket does), the request is aborted, so it leaves the batch
+before the engine's next step, streaming or not, and is counted under status 499 (nginx's and
+vLLM's "client closed request")."""
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -13,6 +18,17 @@ from kstep.engine.request import Request as EngineRequest
 from kstep.engine.request import ChoiceDelta, RequestOutput
 from kstep.server.errors import APIError
 from kstep.server.metrics import ModelMetrics
+
+CLIENT_GONE = object()  # queued when the client disconnects: the response stops reading the engine
+CLIENT_CLOSED_REQUEST = "499"
+
+
+async def watch_disconnect(http_request: Request, on_gone: Callable[[], None]) -> None:
+    """Call `on_gone` once the client has disconnected (cancel this task when the response is done:
+    a completed response reads as a disconnect too)."""
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass
+    on_gone()
 
 
 class Stream:
@@ -26,10 +42,13 @@ class Stream:
         self.finish_reasons: list[str | None] = [None] * engine_request.num_rows
         self.num_tokens = [0] * engine_request.num_rows  # committed completion tokens per choice
         self.first_token_time: float | None = None
+        self.watcher: asyncio.Task | None = None  # watch_disconnect, from `watch`
 
     def _usage(self, out: RequestOutput) -> dict:
         usage = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                  "total_tokens": out.prompt_tokens + out.completion_tokens, "nfe": out.step}
+        if out.limit is not None:  # a server limit ended it (finish_reason "length"): which one
+            usage["server_limit"], usage["server_limit_value"] = out.limit
         if self.request.plan is not None:  # a time budget: what was planned, beside what happened
             usage.update(time_budget=self.request.params.time_budget, planned_passes=self.request.plan.passes,
                          predicted_seconds=round(self.request.plan.predicted_seconds, 6))
@@ -55,21 +74,29 @@ class Stream:
         if self.first_token_time is not None:
             metrics.observe_ttft(self.first_token_time - self.request.arrival_time)
 
-    async def collect(self, queue: asyncio.Queue, http_request: Request, engine: AsyncEngine, metrics: ModelMetrics):
-        while True:
-            try:
-                out = await asyncio.wait_for(queue.get(), timeout=0.25)
-            except TimeoutError:
-                if await http_request.is_disconnected():
-                    engine.abort(self.request.request_id)
-                    metrics.observe_request("cancelled")
+    def watch(self, http_request: Request, queue: asyncio.Queue, engine: AsyncEngine) -> None:
+        """From now on, abort the request when its client disconnects (`collect` / `events` stop
+        watching once the response is done). Started before a stream's first chunk: a client that
+        leaves before it is read from still frees its slot."""
+        def gone() -> None:
+            engine.abort(self.request.request_id)
+            queue.put_nowait(CLIENT_GONE)
+        self.watcher = asyncio.create_task(watch_disconnect(http_request, gone))
+
+    async def collect(self, queue: asyncio.Queue, metrics: ModelMetrics):
+        try:
+            while True:
+                out = await queue.get()
+                if out is CLIENT_GONE:
+                    metrics.observe_request(CLIENT_CLOSED_REQUEST)
                     return Response(status_code=499)
-                continue
-            if out.error is not None:
-                raise APIError(500, out.error, code="engine_error", kind="server_error")
-            self._absorb(out)
-            if out.is_finished:
-                break
+                if out.error is not None:
+                    raise APIError(out.error_status, out.error, code=out.error_code, kind="server_error")
+                self._absorb(out)
+                if out.is_finished:
+                    break
+        finally:
+            self.watcher.cancel()
         self._observe_finish(metrics, out)
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -96,11 +123,13 @@ class Stream:
                                     "finish_reason": None} for i in range(self.request.num_rows)])
             while True:
                 out = await queue.get()
+                if out is CLIENT_GONE:
+                    return
                 if out.error is not None:
                     is_done = True
-                    metrics.observe_request("500")
+                    metrics.observe_request(str(out.error_status))
                     error = {"error": {"message": out.error, "type": "server_error", "param": None,
-                                       "code": "engine_error"}}
+                                       "code": out.error_code}}
                     yield f"data: {json.dumps(error)}\n\n"
                     break
                 choices = []
@@ -125,6 +154,7 @@ class Stream:
                     yield self._chunk(choices)
             yield "data: [DONE]\n\n"
         finally:
+            self.watcher.cancel()
             if not is_done:  # the client went away mid-stream: free its slot
                 engine.abort(self.request.request_id)
-                metrics.observe_request("cancelled")
+                metrics.observe_request(CLIENT_CLOSED_REQUEST)

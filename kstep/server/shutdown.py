@@ -1,0 +1,36 @@
+"""How `kstep serve` stops (SIGTERM, Ctrl-C): uvicorn, with the in-flight generations ended first.
+
+uvicorn alone waits for open requests up to its grace period and then cancels their tasks (a
+traceback per request): a generation may run for minutes, so every shutdown would wait the whole
+period. Here a shutdown first refuses new requests (503), lets the running ones go on for the
+drain time asked for (`--graceful-timeout`, default none), then ends every one still queued or
+running with a 503 naming the shutdown (a stream: an error event), so uvicorn finds its
+connections finishing and exits at once."""
+import asyncio
+import socket
+import time
+
+import uvicorn
+
+FLUSH_SECONDS = 5.0  # for uvicorn, once the generations have ended: responses still being written out
+
+
+class Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, drain_seconds: float = 0.0):
+        super().__init__(config)
+        self.drain_seconds = drain_seconds
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        routes = self.config.app.state.routes
+        routes.refuse_new()
+        deadline = time.monotonic() + self.drain_seconds
+        while routes.num_in_flight() and time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+        routes.end_in_flight()
+        await super().shutdown(sockets)
+
+
+def serve(app, host: str, port: int, log_level: str, drain_seconds: float) -> None:
+    """Run `app` (build_app's) until a signal stops it."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=FLUSH_SECONDS)
+    Server(config, drain_seconds).run()
