@@ -75,18 +75,34 @@ SIZE_FLAGS = {"d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int
               "shared_dim": int, "n_group": int, "topk_group": int, "dense_layers": int}
 
 
+def _entry(text: str) -> tuple[str, object]:
+    """KEY=VALUE -> (KEY, VALUE as JSON: a number, true/false, null, a list; else the text)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
 def add_random_checkpoint(sub) -> None:
     from kstep.registry import FAMILIES
     from kstep.shapes import SHAPES
     rand = add_command(sub, "random-checkpoint", "write a random-weight checkpoint in a family's real layout "
                        "(tiny by default; a published model's shape with --shape)")
-    rand.add_argument("--family", default="llada", choices=sorted(FAMILIES))
-    rand.add_argument("--out", required=True)
+    rand.add_argument("--family", default="llada", choices=sorted(FAMILIES),
+                      help="the layout to write (every family kstep runs; default llada)")
+    rand.add_argument("--out", required=True, help="the checkpoint directory to write")
     rand.add_argument("--seed", type=int, default=0)
     rand.add_argument("--shape", default=None, choices=sorted(SHAPES),
                       help="a published model's sizes (" + "; ".join(f"{k}: {v.note}" for k, v in SHAPES.items()) + ")")
     rand.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     rand.add_argument("--shard-size-mb", type=int, default=2048, help="shard the safetensors past this size")
+    rand.add_argument("--generation-config", type=_entry, nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                      help="entries of the checkpoint's generation_config.json, its decoding defaults (e.g. "
+                           "LLaDA2.1's token editing: editing_threshold=0.9 max_post_steps=4; Fast-dLLM v2's "
+                           "threshold, small_block_size; DiffusionGemma's max_denoising_steps, t_max, t_min)")
     sizes = rand.add_argument_group("sizes (override the tiny default or the shape's)")
     for name, kind in SIZE_FLAGS.items():
         sizes.add_argument("--" + name.replace("_", "-"), type=kind, default=None, metavar="N")
@@ -102,14 +118,17 @@ def _write_random(args) -> int:
         raise ValueError(f"{bad[0]}: sizes must be positive")
     print(write_random_checkpoint(args.out, family=args.family, seed=args.seed, shape=args.shape,
                                   dtype=resolve_dtype(args.dtype), shard_bytes=args.shard_size_mb * 1024 ** 2,
-                                  **sizes))
+                                  generation=dict(args.generation_config), **sizes))
     return 0
 
 
 DESCRIPTION = """\
-kstep runs diffusion language models (LLaDA, Dream, Fast-dLLM v2, SDAR), which fill in many output
-tokens per forward pass, and autoregressive models (Llama, Qwen2) as their baseline: generate text,
-serve an OpenAI-compatible API with continuous batching, and measure both side by side."""
+kstep runs diffusion language models, which fill in many output tokens per forward pass: LLaDA
+(llada), LLaDA-MoE (llada_moe), Dream (dream), Fast-dLLM v2 (fast_dllm_v2), SDAR (sdar),
+LLaDA2.0/2.1 (llada2_moe) and DiffusionGemma (diffusion_gemma); and autoregressive models, Llama
+(llama) and Qwen2 (qwen2), as their baseline: generate text, serve an OpenAI-compatible API with
+continuous batching, and measure both side by side. To try a family without downloading anything:
+kstep random-checkpoint --family FAMILY --out DIR, then kstep generate --model DIR."""
 
 EPILOG = """\
 examples:

@@ -1,7 +1,8 @@
 """DiffusionGemma (Google, Gemma-4-26B-A4B run as a block diffusion model from random tokens): its
 config.json (transformers 5.24 `DiffusionGemmaConfig` with a nested `text_config`), its
 generation_config.json defaults, and its checkpoint tensor names (kstep/models/diffusion_gemma_model.py
-is the network).
+is the network); config.json and generation_config.json are also written, in save_pretrained's layout,
+for the random checkpoints kstep writes (kstep/random_checkpoint.py), without transformers.
 
 The checkpoint stores the decoder's copy of every shared weight (`model.decoder.*`, the encoder's are
 tied to it) plus the encoder's own per-layer scalars (`model.encoder.language_model.layers.*.layer_scalar`,
@@ -16,6 +17,11 @@ from kstep.models.parts import Part
 DEFAULT_SOFTCAP = 30.0      # a class attribute in transformers: save_pretrained does not write it
 DEFAULT_GLOBAL_HEAD_DIM = 512  # DiffusionGemmaTextConfig's default for full layers without per_layer_config
 SAMPLER = "EntropyBoundSamplerConfig"  # the only sampler transformers ships for it
+DTYPE_KEY = "dtype"  # config.json's dtype entry: transformers 5 writes `dtype`, not `torch_dtype`
+# The smallest Gemma-4 vision tower transformers builds (it builds one for every checkpoint of this
+# family): a checkpoint kstep writes carries no vision tensors, so transformers initialises these.
+VISION_CONFIG = {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                 "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "position_embedding_size": 64}
 
 
 @dataclass(slots=True)
@@ -125,7 +131,47 @@ def parse_config(raw: dict, family: str, attention: str) -> DiffusionGemmaConfig
 
 
 def to_raw_config(cfg: DiffusionGemmaConfig) -> dict:
-    raise ValueError("kstep does not write DiffusionGemma checkpoints (transformers' save_pretrained does)")
+    """config.json as transformers' save_pretrained writes it (for checkpoints kstep writes): the
+    nested text_config with a `per_layer_config` entry for every full layer (without one transformers
+    would give them its default head dim of 512), and a vision tower of the smallest shape, since
+    transformers builds one for every DiffusionGemma; kstep writes none of its tensors (text only)."""
+    sliding_fraction, full_fraction = cfg.rotary_fractions
+    sliding_rope = {"rope_theta": cfg.rope_thetas[0], "rope_type": "default"}
+    if sliding_fraction != 1.0:
+        sliding_rope["partial_rotary_factor"] = sliding_fraction
+    text = {
+        "model_type": "diffusion_gemma_text", "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
+        "pad_token_id": cfg.pad_token_id, "head_dim": cfg.head_dim, "hidden_activation": cfg.activation,
+        "hidden_size": cfg.d_model, "initializer_range": 0.02, "intermediate_size": cfg.ffn_dim,
+        "layer_types": list(cfg.layer_types), "max_position_embeddings": cfg.max_positions,
+        "moe_intermediate_size": cfg.moe.expert_dim, "num_attention_heads": cfg.n_heads,
+        "num_experts": cfg.moe.num_experts, "num_hidden_layers": cfg.n_layers, "num_key_value_heads": cfg.n_kv_heads,
+        "per_layer_config": {str(i): {"head_dim": hd, "num_key_value_heads": kv} for i, (kind, hd, kv)
+                             in enumerate(zip(cfg.layer_types, cfg.layer_head_dims, cfg.layer_kv_heads))
+                             if kind == FULL or (hd, kv) != (cfg.head_dim, cfg.n_kv_heads)},
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {FULL: {"partial_rotary_factor": full_fraction, "rope_theta": cfg.rope_thetas[1],
+                                   "rope_type": "proportional"}, SLIDING: sliding_rope},
+        "sliding_window": cfg.sliding_window, "tie_word_embeddings": True, "top_k_experts": cfg.moe.top_k,
+        "use_bidirectional_attention": "vision", "vocab_size": cfg.vocab_size,
+    }
+    if cfg.softcap != DEFAULT_SOFTCAP:  # a class attribute in transformers: written only when it differs
+        text["final_logit_softcapping"] = cfg.softcap
+    return {"architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": "diffusion_gemma",
+            "boi_token_id": 255999, "eoi_token_id": 258882, "image_token_id": cfg.image_token_id,
+            "canvas_length": cfg.canvas_length, "initializer_range": 0.02, "tie_word_embeddings": True,
+            "text_config": text, "vision_config": dict(VISION_CONFIG)}
+
+
+def to_generation_config(cfg: DiffusionGemmaConfig) -> dict:
+    """generation_config.json as save_pretrained writes it: the sampler's knobs null (transformers'
+    defaults, which kstep's are), its output as a dict (what transformers' generate returns for this
+    model), and the end ids."""
+    knobs = dict.fromkeys(("confidence_threshold", "max_denoising_steps", "sampler_config", "stability_threshold",
+                           "t_max", "t_min"))
+    return {**knobs, "return_dict_in_generate": True, "eos_token_id": list(cfg.eos_token_ids),
+            "pad_token_id": cfg.pad_token_id}
 
 
 def generation_defaults(raw: dict) -> dict:
