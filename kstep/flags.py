@@ -7,7 +7,7 @@ import types
 from kstep.params import GenerationParams, user_knobs
 
 DEVICES = ("cpu", "cuda")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")  # kstep.llm.DTYPES, without importing torch here
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # kstep.weights.DTYPES, without importing torch here
 
 
 def add_command(sub, name: str, help: str, usage_args: str = "") -> argparse.ArgumentParser:

@@ -24,19 +24,9 @@ from kstep.runner.prefix_cache import PrefixCache
 from kstep.runner.model_runner import ModelRunner
 from kstep.tokenizer import Tokenizer, load_tokenizer
 from kstep.uniform_budget import plan_uniform
-from kstep.weights import load_model, read_json
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from kstep.weights import load_model, read_json, resolve_dtype
 
 Prompt = str | list[int]
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
-    return DTYPES[dtype]
 
 
 class LLM:
@@ -123,7 +113,8 @@ class LLM:
         unset = {k: v for k, v in defaults.items() if getattr(params, k) is None}
         if unset and not params.is_resolved:
             params = replace(params, **unset)
-        return params.resolve(self.cfg.family, self.family.kind, has_draft=self.draft is not None)
+        return params.resolve(self.cfg.family, self.family.kind, has_draft=self.draft is not None,
+                              canvas_length=getattr(self.cfg, "canvas_length", None))
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of one prompt, checked against the vocabulary and the mask id."""
@@ -218,22 +209,23 @@ class LLM:
         return self.family.decoder(self.runner, batch, params, DecoderResources(prefix_cache, self.drafter))
 
     def calibrate_pass_costs(self) -> None:
-        """Time a few passes for the time-budget planner's table, once (on the thread that runs torch)."""
+        """Time the time-budget planner's table once, on the thread that runs torch (pass_costs.py)."""
         if not self.pass_costs.is_calibrated:
-            self.pass_costs.calibrate(self.model, self.device, self.cfg.max_positions)
+            self.pass_costs.calibrate(self.model, self.device, self.cfg.max_positions, self.resolve, self.make_decoder)
 
-    def plan_budget(self, params: GenerationParams, prompt_len: int, suffix_len: int = 0, load: int = 0) -> Plan:
-        """The decoding that fits params.time_budget (budget.py), from this model's pass costs here;
-        `load`: tokens per step of the batch the request joins (the server)."""
+    def plan_budget(self, params: GenerationParams, prompt_len: int, suffix_len: int = 0, load: float = 0) -> Plan:
+        """The plan that fits params.time_budget here (budget.py); `load`: seconds per step of the batch it joins."""
         self.calibrate_pass_costs()
         if self.family.kind == UNIFORM_DIFFUSION:
             return plan_uniform(self.pass_costs, params, prompt_len, self.cfg.canvas_length, params.time_budget,
                                 self.resolve, load)
         return plan(self.pass_costs, self.family.kind, params, prompt_len, suffix_len, params.time_budget,
-                    self.resolve, load)
+                    self.resolve, load, family=self.cfg.family, max_positions=self.cfg.max_positions)
 
-    def cut_at_stop(self, row: list[int]) -> tuple[list[int], str]:
-        """A completion up to its first end-of-sequence token, and why it ended."""
+    def cut_at_stop(self, row: list[int], ignore_eos: bool = False) -> tuple[list[int], str]:
+        """A completion up to its first end-of-sequence token (`ignore_eos`: all of it), and why it ended."""
+        if ignore_eos:
+            return row, "length"
         for i, token in enumerate(row):
             if token in self.stop_ids:
                 return row[:i], "stop"
@@ -273,10 +265,13 @@ class LLM:
                             "num_window_passes": 0})
         rows, row_nfe = decode_alone(decoder, timings, self.pass_costs if self.pass_costs.is_calibrated else None)
         seconds = time.perf_counter() - start
+        if "planned_passes" in timings:  # a planned request, alone: how far plans scatter here
+            self.pass_costs.observe_outcome(timings["predicted_seconds"], timings["planned_passes"], seconds,
+                                            decoder.nfe)
         timings = {"decode_seconds": seconds, **timings, "batch_passes": decoder.nfe, **decoder.stats()}
         results = []
         for prompt, (_, given_back, _), row, nfe in zip(batch, healed, rows, row_nfe, strict=True):
-            tokens, reason = self.cut_at_stop(row)
+            tokens, reason = self.cut_at_stop(row, params.ignore_eos)
             text = self.tokenizer.decode(tokens) if self.tokenizer else None
             if text is not None and given_back and text.startswith(given_back):
                 text = text[len(given_back):]  # it was the prompt's: the completion is what follows

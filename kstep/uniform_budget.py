@@ -10,7 +10,7 @@ K passes whether or not it converged).
 """
 from dataclasses import replace
 
-from kstep.budget import MARGIN, LoadedCosts, PassCosts, Plan
+from kstep.budget import LoadedCosts, PassCosts, Plan
 from kstep.params import GenerationParams
 
 
@@ -20,15 +20,18 @@ def uniform_seconds(costs: "PassCosts | LoadedCosts", prompt_len: int, n: int, c
     canvases = max(1, -(-n // canvas_length))
     attended = prompt_len + (canvases - 1) * canvas_length / 2 + canvas_length  # the mean over canvases
     per_pass = costs.predict(canvas_length, attended)
-    seconds = costs.predict(prompt_len, prompt_len) + (canvases * steps + canvases - 1) * per_pass
-    return seconds, 1 + canvases * steps + canvases - 1
+    # A commit is an encoder pass of L tokens (no logits, no sampling): costed as a decoder pass, its upper bound.
+    passes = canvases * steps + canvases - 1
+    seconds = costs.request_seconds + costs.predict(prompt_len, prompt_len) + passes * per_pass
+    return seconds, 1 + passes
 
 
 def plan_uniform(costs: PassCosts, params: GenerationParams, prompt_len: int, canvas_length: int, budget: float,
                  resolve, load: float = 0) -> Plan:
     """The decoding that fits `budget` seconds (module note); `resolve` re-resolves changed params."""
     costs = LoadedCosts(costs, load) if load else costs
-    given, budget = budget, budget * MARGIN
+    margin = costs.margin()
+    given, budget = budget, budget * margin
     for steps in range(params.max_denoising_steps, 0, -1):
         seconds, passes = uniform_seconds(costs, prompt_len, params.max_tokens, canvas_length, steps)
         if seconds <= budget:
@@ -37,5 +40,5 @@ def plan_uniform(costs: PassCosts, params: GenerationParams, prompt_len: int, ca
             changed = resolve(replace(params, max_denoising_steps=steps, is_resolved=False))
             return Plan(changed, seconds, passes)
     minimum, _ = uniform_seconds(costs, prompt_len, params.max_tokens, canvas_length, 1)
-    raise ValueError(f"time_budget {given:g} s is below the {minimum / MARGIN:.3g} s even one decoder pass per "
+    raise ValueError(f"time_budget {given:g} s is below the {minimum / margin:.3g} s even one decoder pass per "
                      "canvas takes here")

@@ -15,6 +15,16 @@ from kstep.models import ModelConfig, Transformer
 from kstep.models.parts import Part, parts_of
 from kstep.registry import BLOCK_DIFFUSION, DIFFUSION, FAMILIES, family_for
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
 # Mask tokens of published diffusion tokenizers: Fast-dLLM v2 names its mask id nowhere else.
 MASK_TOKENS = ("|<MASK>|", "<|MASK|>", "<MASK>", "<|mask|>", "[MASK]")
 

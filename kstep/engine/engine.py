@@ -96,6 +96,7 @@ class Engine:
         step_outputs = [r.decoder.update([next(logits) for _ in ps]) for r, ps in zip(batch, passes, strict=True)]
         self.scheduler.update(batch, step_outputs)
         self._end_at_limits(batch)
+        self._observe_plans(batch)
         outputs += [self._output(r, out) for r, out in zip(batch, step_outputs, strict=True)]
         stats = StepStats(len(batch), len({id(p.runner) for p in flat}), sum(p.num_tokens for p in flat),
                           time.perf_counter() - start, sum(out.num_committed for out in step_outputs))
@@ -103,6 +104,14 @@ class Engine:
         if self.llm.pass_costs.is_calibrated:  # a request alone: its step refreshes the planner's table
             self.llm.pass_costs.observe_step(flat, stats.seconds)
         return outputs, stats
+
+    def _observe_plans(self, batch: list[Request]) -> None:
+        """A time-budgeted request that ran alone tells the planner how far its plans scatter here."""
+        for request in batch:
+            request.ran_alone &= len(batch) == 1
+            if request.is_finished and request.plan is not None and request.ran_alone and request.limit is None:
+                self.llm.pass_costs.observe_outcome(request.plan.predicted_seconds, request.plan.passes,
+                                                    time.monotonic() - request.admitted_time, request.nfe)
 
     def _end_at_limits(self, batch: list[Request]) -> None:
         """End the running requests that reached a server limit (RequestLimits)."""

@@ -28,6 +28,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None  # when it joined the batch (the server's max_request_seconds counts from it)
     limit: tuple[str, float] | None = None  # the server limit that ended it (name, value), if one did
+    ran_alone: bool = True           # no other request shared its steps (a time budget's outcome then counts)
     decoder: Any = None              # created when the request is admitted; dropped when it finishes
     is_aborted: bool = False
     is_finished: bool = False
