@@ -33,7 +33,7 @@ def add_generate(sub) -> None:
     gen.add_argument("--draft", default=None,
                      help="speculative decoding for an AR model: a draft model (e.g. default-draft) or 'ngram' "
                           "(lookup in the prompt and output, no model)")
-    add_device_flags(gen)
+    add_device_flags(gen, parallel=True)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     gen.add_argument("--quantize", default=None, choices=["int8", "int4"],
                      help="weight-only quantization of the linear layers at load time")
@@ -47,7 +47,8 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError("no prompt given: pass PROMPT text or --prompt-ids")
     if any(p == "" for p in args.prompts) or any(not ids for ids in args.prompt_ids):
         raise ValueError("prompt is empty: give at least one token")
-    llm = load(args.model, device=args.device, dtype=args.dtype, draft=args.draft, quantize=args.quantize)
+    llm = load(args.model, device=args.device, dtype=args.dtype, draft=args.draft, quantize=args.quantize,
+               tensor_parallel_size=args.tensor_parallel_size)
     prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompts]
     if args.suffix is not None and args.suffix_ids is not None:
         raise ValueError("--suffix and --suffix-ids: give one")

@@ -55,9 +55,13 @@ def params_from_args(args: argparse.Namespace) -> GenerationParams:
     return GenerationParams(**knobs_given(args))
 
 
-def add_device_flags(parser: argparse.ArgumentParser, threads: bool = False) -> None:
+def add_device_flags(parser: argparse.ArgumentParser, threads: bool = False, parallel: bool = False) -> None:
     parser.add_argument("--device", default="cpu", choices=DEVICES)
     parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
+    if parallel:
+        parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                            help="split the model over N processes (tensor and expert parallel: N CUDA devices, "
+                                 "or N CPU cores at one thread each); default 1")
     if threads:
         parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 

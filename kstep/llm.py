@@ -15,35 +15,33 @@ from kstep.budget import PassCosts, Plan, plan
 from kstep.bundled import resolve_model
 from kstep.decoding.drafters import NGRAM
 from kstep.decoding.loop import decode_alone
-from kstep.layers.quantized import quantize_model
 from kstep.outputs import GenerationResult
 from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, UNIFORM_DIFFUSION, GenerationParams, knob_applies
 from kstep.decoding.base import DecodeBatch, Decoder
 from kstep.registry import FAMILIES, DecoderResources
 from kstep.runner.prefix_cache import PrefixCache
+from kstep.runner.loading import load_runner
 from kstep.runner.model_runner import ModelRunner
 from kstep.tokenizer import Tokenizer, load_tokenizer
 from kstep.uniform_budget import plan_uniform
-from kstep.weights import load_model, read_json, resolve_dtype
+from kstep.weights import read_json, resolve_dtype
 
 Prompt = str | list[int]
 
 
 class LLM:
     def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                 draft: "str | Path | LLM | None" = None, quantize: str | None = None):
+                 draft: "str | Path | LLM | None" = None, quantize: str | None = None, tensor_parallel_size: int = 1):
         self.path = resolve_model(path)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was requested but no CUDA device is available")
-        self.model = load_model(self.path, self.device, resolve_dtype(dtype))
-        self.quantize = quantize
-        if quantize is not None:
-            quantize_model(self.model, quantize)
+        self.quantize, self.tensor_parallel_size = quantize, tensor_parallel_size
+        self.runner = load_runner(self.path, self.device, resolve_dtype(dtype), quantize, tensor_parallel_size)
+        self.model = self.runner.model  # a tensor-parallel model: rank 0's share
         self.cfg = self.model.cfg
         self.family = FAMILIES[self.cfg.family]
         self.tokenizer: Tokenizer | None = load_tokenizer(self.path)
-        self.runner = ModelRunner(self.model)
         experts = None if self.cfg.moe is None else self.cfg.moe.expected_experts
         self.pass_costs = PassCosts(experts=experts)  # this device's measured pass costs, for time budgets (budget.py)
         eot = self.tokenizer.end_of_turn_ids() if self.tokenizer else []
@@ -211,7 +209,9 @@ class LLM:
     def calibrate_pass_costs(self) -> None:
         """Time the time-budget planner's table once, on the thread that runs torch (pass_costs.py)."""
         if not self.pass_costs.is_calibrated:
-            self.pass_costs.calibrate(self.model, self.device, self.cfg.max_positions, self.resolve, self.make_decoder)
+            whole = self.runner.whole_pass if self.tensor_parallel_size > 1 else None  # every rank takes part
+            self.pass_costs.calibrate(self.model, self.device, self.cfg.max_positions, self.resolve, self.make_decoder,
+                                      forward=whole)
 
     def plan_budget(self, params: GenerationParams, prompt_len: int, suffix_len: int = 0, load: float = 0) -> Plan:
         """The plan that fits params.time_budget here (budget.py); `load`: seconds per step of the batch it joins."""
@@ -285,9 +285,11 @@ def is_one_prompt(prompt) -> bool:
 
 
 def load(path: str | Path = "default", device: str | torch.device = "cpu",
-         dtype: str | torch.dtype = "float32", draft: str | Path | None = None, quantize: str | None = None) -> LLM:
+         dtype: str | torch.dtype = "float32", draft: str | Path | None = None, quantize: str | None = None,
+         tensor_parallel_size: int = 1) -> LLM:
     """Load a checkpoint directory (config.json + safetensors [+ tokenizer.json]) or a bundled model
     by name (`default`, `default-ar`, `default-draft`) for generation; `draft` adds a draft model
     (or "ngram": n-gram lookup, no model) for speculative decoding (`num_draft_tokens`); `quantize`
-    ("int8" or "int4") quantizes the linear layers' weights at load time."""
-    return LLM(path, device, dtype, draft, quantize)
+    ("int8" or "int4") quantizes the linear layers' weights at load time; `tensor_parallel_size`
+    splits the model over that many processes (kstep/distributed: CUDA devices, or CPU cores)."""
+    return LLM(path, device, dtype, draft, quantize, tensor_parallel_size)

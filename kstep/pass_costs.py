@@ -113,12 +113,15 @@ class PassCosts:
             self.observe(p.ids.shape[1], attended, seconds)
 
     def calibrate(self, model, device: torch.device, max_positions: int, resolve: Callable | None = None,
-                  make_decoder: Callable[..., Decoder] | None = None, repeats: int = 3) -> None:
+                  make_decoder: Callable[..., Decoder] | None = None, repeats: int = 3,
+                  forward: Callable | None = None) -> None:
         """Time whole-sequence passes of a few lengths (random ids), the median of `repeats` each (a
         budget is for a typical pass: on a shared CPU the best of three runs 10-25% under it); then,
         given the model's `resolve` and `make_decoder` (LLM's), the steps of real decodings of a
         short request (calibration_request): a budget pays for steps, and on a small model a pass
-        alone is a fraction of one."""
+        alone is a fraction of one. `forward(ids, positions)`: how a whole-sequence pass runs (default
+        the model itself; a tensor-parallel model's runner, whose ranks all take part)."""
+        forward = forward or model
         self._calibrating = True
         try:
             vocab = model.cfg.vocab_size
@@ -130,7 +133,7 @@ class PassCosts:
                 with torch.inference_mode():
                     for _ in range(repeats + 1):  # the first warms up
                         start = time.perf_counter()
-                        model(ids, positions)
+                        forward(ids, positions)
                         if device.type == "cuda":
                             torch.cuda.synchronize(device)
                         runs.append(time.perf_counter() - start)

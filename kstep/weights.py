@@ -103,13 +103,15 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 REOPEN_BYTES = 256 * 1024 * 1024
 
 
-def load_weights(model: Transformer, path: Path) -> None:
+def load_weights(model: Transformer, path: Path, names: dict | None = None, zeros: set[str] = frozenset()) -> None:
     """Fill every parameter of `model` from the checkpoint at `path`, or raise naming what is wrong.
     Tensors are copied one at a time into the parameters, in the checkpoint's dtype converted to the
-    parameter's (a bf16 checkpoint loaded as bf16 is never widened)."""
-    names = parts_of(_layout(model.cfg).checkpoint_names(model.cfg))
+    parameter's (a bf16 checkpoint loaded as bf16 is never widened). `names`: the parts to read (a
+    tensor-parallel rank's slices; default the family's whole map); `zeros`: parameters left as
+    they are (zero)."""
+    names = parts_of(names if names is not None else _layout(model.cfg).checkpoint_names(model.cfg))
     files = _tensor_files(path)
-    params = dict(model.named_parameters())
+    params = {name: p for name, p in model.named_parameters() if name not in zeros}
     if set(names) != set(params):
         raise RuntimeError(f"internal: name map and model disagree on {set(names) ^ set(params)}")
     by_file: dict[Path, list[tuple[str, Part]]] = {}
@@ -139,25 +141,31 @@ def _target(param: torch.Tensor, part: Part) -> torch.Tensor:
 
 
 def _copy_part(f, param: torch.Tensor, part: Part, path: Path) -> int:
-    if part.rows is None:
+    rows = slice(*part.rows) if part.rows else slice(None)
+    if part.cols is not None:  # only these bytes are read: a rank never holds the whole tensor
+        tensor = f.get_slice(part.tensor)[rows, part.cols[0]:part.cols[1]]
+    elif part.rows is None:
         tensor = f.get_tensor(part.tensor)
     else:
-        tensor = f.get_slice(part.tensor)[part.rows[0]:part.rows[1]]
+        tensor = f.get_slice(part.tensor)[rows]
     target = _target(param, part)
     if tuple(tensor.shape) != tuple(target.shape):
-        what = part.tensor if part.rows is None else f"{part.tensor}[{part.rows[0]}:{part.rows[1]}]"
+        what = part.tensor if part.rows is None and part.cols is None else f"{part.tensor} {part.rows} x {part.cols}"
         raise ValueError(f"checkpoint {path}: tensor {what!r} has shape {list(tensor.shape)},"
                          f" expected {list(target.shape)}")
     target.copy_(tensor)
     return tensor.numel() * tensor.element_size()
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> Transformer:
+def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, reshape=None) -> Transformer:
     """An uninitialised model on `device`/`dtype` (no random init: weights are loaded next). The
     dtype is set on the meta device, so no float32 copy is ever allocated; float32-only tensors
-    (the rotary tables, a router's expert bias) stay float32."""
+    (the rotary tables, a router's expert bias) stay float32. `reshape(model)`: changes the meta
+    model's shapes before memory is allocated (a tensor-parallel rank's share)."""
     with torch.device("meta"):
         model = (FAMILIES[cfg.family].network or Transformer)(cfg).to(dtype)
+    if reshape is not None:
+        reshape(model)
     for module in model.modules():
         for name in getattr(module, "keeps_float32", ()):
             if getattr(module, name) is not None:

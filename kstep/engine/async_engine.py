@@ -10,6 +10,8 @@ every op pays a futex wake-up. On 2 cores that halved throughput (measured: 87 v
 unbatched, 209 vs 446 batched, model loaded on the main thread vs on the engine thread)."""
 import asyncio
 import logging
+import os
+import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -89,7 +91,10 @@ class AsyncEngine:
                 continue
             try:
                 outputs, stats = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception as e:  # a failed pass fails its batch, never the server
+            except Exception as e:  # a failed pass fails its batch, never the server ...
+                if getattr(e, "is_fatal", False):  # ... unless the model cannot run again (a lost rank)
+                    self._stop_fatally(e)
+                    continue
                 log.exception("engine step failed")
                 outputs, stats = self._fail_running(f"internal error in the engine step: {e}"), None
             if stats is not None and self.on_step is not None:
@@ -100,6 +105,13 @@ class AsyncEngine:
                     queue.put_nowait(out)
                 if out.is_finished:
                     self.queues.pop(out.request_id, None)
+
+    def _stop_fatally(self, error: Exception) -> None:
+        """Every request ends with a 503 naming `error`, and the server shuts down (it exits by the
+        signal: non-zero), rather than serve a model that can no longer run."""
+        log.error("the model cannot run any more: %s; the server stops", error)
+        self.end_all(f"the server cannot run this model any more ({error}); it is stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _fail_running(self, message: str) -> list[RequestOutput]:
         outputs = []

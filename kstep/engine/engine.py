@@ -56,7 +56,8 @@ class Engine:
         self.scheduler = Scheduler(max_batch_size, max_queue)
         # AR and block-diffusion prompts share keys (causal across blocks); a canvas diffusion model's do not.
         # A cached block must hold whole model blocks (a block's keys depend on all of it).
-        shares_prefixes = llm.kind != DIFFUSION
+        # (not across tensor-parallel ranks yet: the cache copies rank 0's keys only)
+        shares_prefixes = llm.kind != DIFFUSION and llm.tensor_parallel_size == 1
         model_block = llm.cfg.block_size or 1
         cache_block = -(-16 // model_block) * model_block
         self.prefix_cache = PrefixCache(prefix_cache_bytes, cache_block) if prefix_cache_bytes > 0 and shares_prefixes \

@@ -5,6 +5,7 @@ A forward pass may pack several sequences (the engine's continuous batch): the p
 once on all their tokens, the attention runs per sequence (`Segment`), each against its own
 preallocated KV cache owned by the model runner.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
         self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.fused_out: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum the ranks' heads
 
     def fuse(self) -> None:
         """For inference: keep q/k/v's weights as slices of one tensor, so one matmul computes all
@@ -139,5 +141,7 @@ class Attention(nn.Module):
             outs = [self._attend(q, k, v, seg, layer_idx, is_causal) for seg in segments]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         if self.fused_out is not None and not torch.is_grad_enabled():
-            return project(out, self.fused_out)
-        return self.o_proj(out)
+            out = project(out, self.fused_out)
+        else:
+            out = self.o_proj(out)
+        return out if self.reduce is None else self.reduce(out)

@@ -19,6 +19,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=bias)
         self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.fused_down: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum the ranks' units
 
     def fuse(self) -> None:
         """For inference: gate and up as one matmul, all in the transposed layout (see fuse_linears)."""
@@ -29,5 +30,7 @@ class SwiGLU(nn.Module):
         if self.fused is not None and not torch.is_grad_enabled():
             gate, up = project(x, self.fused).chunk(2, dim=-1)
             hidden = self.activation(gate) * up
-            return self.down_proj(hidden) if self.fused_down is None else project(hidden, self.fused_down)
-        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+            out = self.down_proj(hidden) if self.fused_down is None else project(hidden, self.fused_down)
+        else:
+            out = self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.reduce is None else self.reduce(out)

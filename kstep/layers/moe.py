@@ -128,6 +128,7 @@ class Experts(nn.Module):
                  activation: Callable[[torch.Tensor], torch.Tensor] = F.silu):
         super().__init__()
         self.num_experts, self.expert_dim, self.activation = num_experts, expert_dim, activation
+        self.first: int | None = None  # expert parallel: the global id of this rank's first expert
         self.gate_up = nn.Parameter(torch.empty(num_experts, d_model, 2 * expert_dim))
         self.down = nn.Parameter(torch.empty(num_experts, expert_dim, d_model))
 
@@ -145,12 +146,17 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x (N, D) -> (N, D): each token's routed outputs, weighted and summed in float32."""
         N, k = routing.expert_ids.shape
-        flat = routing.expert_ids.reshape(-1)  # (N*k,)
+        flat, weights = routing.expert_ids.reshape(-1), routing.weights.reshape(-1)  # (N*k,)
+        pairs = None
+        if self.first is not None:  # expert parallel: this rank's experts' pairs only (the others run theirs)
+            flat = flat - self.first
+            pairs = ((flat >= 0) & (flat < self.num_experts)).nonzero().squeeze(1)  # (M,)
+            flat, weights = flat[pairs], weights[pairs]
         order = flat.argsort(stable=True)
-        tokens = order // k  # (N*k,) the token of each sorted pair
+        tokens = (order if pairs is None else pairs[order]) // k  # the token of each sorted pair
         counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
-        hidden = self._swiglu(x[tokens], counts)  # (N*k, D) in expert order
-        weighted = hidden.float() * routing.weights.reshape(-1)[order, None]
+        hidden = self._swiglu(x[tokens], counts)  # (M, D) in expert order
+        weighted = hidden.float() * weights[order, None]
         out = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device)
         return out.index_add_(0, tokens, weighted).to(x.dtype)
 
@@ -190,6 +196,7 @@ class SparseMoE(nn.Module):
         self.shared = SwiGLU(d_model, shared_dim, bias=False) if shared_dim else None
         self.keep_routing = False
         self.last_routing: Routing | None = None
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # expert parallel: sum the ranks' shares
 
     def fuse(self) -> None:
         self.experts.fuse()
@@ -206,4 +213,6 @@ class SparseMoE(nn.Module):
             out = self.experts(flat, routing)
         if self.shared is not None:
             out = out + self.shared(flat)
+        if self.reduce is not None:  # routed and shared partial outputs: one all-reduce
+            out = self.reduce(out)
         return out.view_as(x)

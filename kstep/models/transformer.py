@@ -49,6 +49,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.embedding_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rotary_width, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # Tensor parallel (kstep/distributed/sharding.py): the group, and the first vocabulary row here.
+        self.tp, self.vocab_start = None, 0
 
     def reset_rotary(self, device: torch.device | str) -> None:
         """(Re)build the float32 rotary tables on `device` (after meta init or a dtype cast)."""
@@ -66,7 +68,7 @@ class Transformer(nn.Module):
                              segments: list[Segment]) -> torch.Tensor:
         """Final-norm hidden states (N, D) for the packed tokens input_ids (N,) at positions (N,);
         `segments` say which tokens form which sequence (each attends only within itself)."""
-        x = self.embed(input_ids)  # (N, D)
+        x = self.embed(input_ids) if self.tp is None else self._vocab_parallel_embed(input_ids)  # (N, D)
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
         cos, sin = self.rotary.tables(positions)  # (N, hd) each
@@ -81,10 +83,24 @@ class Transformer(nn.Module):
         segment = Segment(0, B, T, mask, caches, cache_start, cache_len)
         return self.packed_hidden_states(input_ids.reshape(-1), positions.reshape(-1), [segment]).view(B, T, -1)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped."""
+    def _vocab_parallel_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the embedding for the ids it holds, zeros elsewhere, summed over ranks."""
+        local = ids - self.vocab_start
+        rows = self.embed.weight.shape[0]
+        mine = ((local >= 0) & (local < rows))[:, None]  # (N, 1)
+        return self.tp.all_reduce(self.embed(local.clamp(0, rows - 1)) * mine.to(self.embed.weight.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped.
+        Tensor parallel: every rank's vocabulary slice, gathered on rank 0 (the others get None)."""
         with labelled("kstep.lm_head"):
-            if self.lm_head is None or isinstance(self.lm_head, nn.Linear):
+            if self.tp is not None:
+                weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+                out = self.tp.gather_last_dim(linear(hidden, weight))
+                if out is None:
+                    return None
+                out = out[..., : self.cfg.vocab_size]
+            elif self.lm_head is None or isinstance(self.lm_head, nn.Linear):
                 weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
                 out = linear(hidden, weight[: self.cfg.vocab_size])
             else:  # a quantized head computes the padded rows too

@@ -64,7 +64,7 @@ class ModelRunner:
             raise ValueError(f"prompt + max_tokens ({length}) exceeds the model's context of {self.cfg.max_positions}")
         if hasattr(self.model, "allocate_kv"):  # layers of different geometry (DiffusionGemma)
             return self.model.allocate_kv(batch, length)
-        shape = (batch, self.cfg.n_kv_heads, length, self.cfg.head_dim)
+        shape = (batch, self.model.layers[0].attn.n_kv_heads, length, self.cfg.head_dim)  # this rank's heads
         return [(torch.zeros(shape, device=self.device, dtype=self.dtype),
                  torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(self.cfg.n_layers)]
 
@@ -176,9 +176,12 @@ class ModelRunner:
                   for p, s in zip(passes, segments)]  # each (b, t, D)
         wanted = [w if p.logits_columns is None else w[:, p.logits_columns] for p, w in zip(passes, wanted)]
         if len(passes) == 1:
-            return [self.model.logits(wanted[0])]
+            logits = self.model.logits(wanted[0])
+            return [] if logits is None else [logits]  # None: a tensor-parallel rank other than 0
         # One LM-head matmul for every sequence: the head is the largest weight of a small model.
         logits = self.model.logits(torch.cat([w.reshape(-1, w.shape[-1]) for w in wanted]))  # (sum b*t, V)
+        if logits is None:
+            return []
         sizes = [w.shape[0] * w.shape[1] for w in wanted]
         return [chunk.view(w.shape[0], w.shape[1], logits.shape[-1])  # (a pass may want no logits)
                 for chunk, w in zip(logits.split(sizes), wanted)]
@@ -186,6 +189,10 @@ class ModelRunner:
     def logits(self, forward_pass: ForwardPass) -> torch.Tensor:
         """One pass alone."""
         return self.execute([forward_pass])[0]
+
+    def whole_pass(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits of a plain pass over ids (B, T) at positions (B, T), as `model(ids, positions)`."""
+        return self.logits(ForwardPass(ids, positions, None, 0, ids.shape[1], "full", self))
 
     @torch.inference_mode()
     def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:

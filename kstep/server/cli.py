@@ -11,7 +11,7 @@ def add_serve(sub) -> None:
     serve.add_argument("--model", action="append", default=None, metavar="[NAME=]MODEL[:KEY=VALUE,...]",
                        help="a model to serve (repeat for several, each with its own engine): a checkpoint "
                             "directory or bundled name; NAME is what clients send (default: MODEL); options "
-                            "for this model alone: draft=, quantize=, any decoding default below (e.g. "
+                            "for this model alone: draft=, quantize=, tp=, any decoding default below (e.g. "
                             "default-ar:draft=ngram, default:exact=true). Default: default")
     serve.add_argument("--served-model-name", default=None,
                        help="the `model` clients send, with one --model (default: --model)")
@@ -35,7 +35,7 @@ def add_serve(sub) -> None:
     serve.add_argument("--max-request-seconds", type=float, default=600.0,
                        help="the same for seconds in the batch (default 600, the openai client's own timeout; "
                             "0: no limit)")
-    add_device_flags(serve, threads=True)
+    add_device_flags(serve, threads=True, parallel=True)
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--replicas", type=int, default=None,
                        help="serve on Ray Serve with this many replicas (each its own engines; a local Ray "
@@ -81,7 +81,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--model: two models are served as {next(n for n in names if names.count(n) > 1)!r}; "
                          "name them apart with NAME=MODEL")
 
-    options = LoadOptions(args.device, args.dtype, args.threads, args.draft, args.quantize, shared)
+    options = LoadOptions(args.device, args.dtype, args.threads, args.draft, args.quantize, shared,
+                          args.tensor_parallel_size)
     config = ServeConfig(api_key=args.api_key, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          prefix_cache_bytes=args.prefix_cache_mib << 20, max_request_passes=args.max_request_passes,

@@ -16,6 +16,7 @@ class LoadOptions:
     draft: str | None = None
     quantize: str | None = None
     shared_defaults: dict = field(default_factory=dict)   # decoding defaults for every model that takes them
+    tensor_parallel_size: int = 1
 
 
 def load_served_models(specs: list[ModelSpec], options: LoadOptions, announce: str | None = None) -> list:
@@ -30,7 +31,8 @@ def load_served_models(specs: list[ModelSpec], options: LoadOptions, announce: s
         if options.threads is not None:  # OpenMP's thread count is per thread: set it where torch runs
             torch.set_num_threads(options.threads)
         return load(spec.model, device=options.device, dtype=options.dtype, draft=spec.draft or options.draft,
-                    quantize=spec.quantize or options.quantize)
+                    quantize=spec.quantize or options.quantize,
+                    tensor_parallel_size=spec.tensor_parallel_size or options.tensor_parallel_size)
     served = []
     for spec in specs:
         executor = torch_thread()  # each model's engine steps on its own thread

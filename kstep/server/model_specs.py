@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from kstep.params import GenerationParams, user_knobs
 
-LOAD_OPTIONS = ("draft", "quantize")
+LOAD_OPTIONS = ("draft", "quantize", "tp")
 QUANTIZE_CHOICES = ("int8", "int4")
 
 
@@ -20,6 +20,7 @@ class ModelSpec:
     draft: str | None = None
     quantize: str | None = None
     defaults: dict = field(default_factory=dict)   # GenerationParams fields
+    tensor_parallel_size: int | None = None        # `tp=N`: this model over N ranks
 
 
 def _knob_types() -> dict[str, type]:
@@ -62,6 +63,8 @@ def parse_model_spec(spec: str) -> ModelSpec:
             if key == "quantize" and text not in QUANTIZE_CHOICES:
                 raise ValueError(f"--model {spec!r}: quantize must be one of {', '.join(QUANTIZE_CHOICES)}, "
                                  f"got {text!r}")
+            if key == "tp" and not (text.isdigit() and int(text) >= 1):
+                raise ValueError(f"--model {spec!r}: tp must be a positive integer, got {text!r}")
             load[key] = text
         elif key in knobs:
             defaults[key] = _value(spec, key, text, knobs[key])
@@ -69,4 +72,5 @@ def parse_model_spec(spec: str) -> ModelSpec:
             known = ", ".join(list(LOAD_OPTIONS) + sorted(knobs))
             raise ValueError(f"--model {spec!r}: unknown option {key!r} (known: {known})")
     GenerationParams(**defaults)  # a bad value fails now, naming it
-    return ModelSpec(name, model, load.get("draft"), load.get("quantize"), defaults)
+    tp = int(load["tp"]) if "tp" in load else None
+    return ModelSpec(name, model, load.get("draft"), load.get("quantize"), defaults, tp)

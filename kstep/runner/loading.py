@@ -1,0 +1,29 @@
+"""A checkpoint's model runner: the model loaded on one device (quantized if asked), or split over a
+tensor-parallel group of processes (kstep/distributed), whose rank 0 runner is returned."""
+import atexit
+from pathlib import Path
+
+import torch
+
+from kstep.layers.quantized import quantize_model
+from kstep.runner.model_runner import ModelRunner
+from kstep.weights import load_model
+
+
+def load_runner(path: Path, device: torch.device, dtype: torch.dtype, quantize: str | None = None,
+                tensor_parallel_size: int = 1, threads_per_rank: int = 1) -> ModelRunner:
+    """The runner of the checkpoint at `path` (`threads_per_rank`: each CPU rank's torch threads)."""
+    if tensor_parallel_size == 1:
+        model = load_model(path, device, dtype)
+        if quantize is not None:
+            quantize_model(model, quantize)
+        return ModelRunner(model)
+    if quantize is not None:
+        raise ValueError(f"quantize {quantize!r} with tensor_parallel_size {tensor_parallel_size}: weight-only "
+                         "quantization runs on one device only")
+    from kstep.distributed.launch import load_tensor_parallel  # torch.distributed, only when asked for
+    if device.type == "cpu":  # rank 0 too: N ranks, one core each
+        torch.set_num_threads(threads_per_rank)
+    model, runner = load_tensor_parallel(path, device, dtype, tensor_parallel_size, threads_per_rank)
+    atexit.register(runner.close)  # the other ranks leave their loop with the process
+    return runner

@@ -1,0 +1,138 @@
+"""Tensor and expert parallel on the CPU: 2 ranks over gloo (spawned processes, one thread each).
+TP=2 gives TP=1's tokens for every family, one pass costs the collectives the scheme says, each rank
+holds about half the weights, sizes that do not divide are refused naming the numbers, and a lost
+rank fails at once (the server answers 503 and exits), never hangs."""
+import asyncio
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+import kstep
+from kstep.bench.server_process import running_server
+from kstep.cli import main
+from kstep.distributed.runner import GroupLost
+from kstep.distributed.sharding import plan_shard
+from kstep.random_checkpoint import random_config, write_random_checkpoint
+from test_server import client
+
+pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks need two cores")
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
+FAMILIES = {  # family: (checkpoint sizes, generation settings that show its decoding)
+    "llama": ({"n_kv_heads": 1, "vocab_size": 503}, [{}, {"temperature": 0.8, "seed": 1}]),  # KV heads replicated
+    "qwen2": ({}, [{}, {"temperature": 0.7, "top_k": 20, "seed": 2}]),
+    "llada": ({}, [{}, {"exact": True}, {"cache": "prefix", "threshold": 0.5}]),
+    "dream": ({}, [{"exact": True}, {}]),
+    "fast_dllm_v2": ({}, [{}, {"cache": "dual"}]),
+    "sdar": ({}, [{}, {"steps": 2}]),
+    "llada_moe": ({}, [{}, {"exact": True, "cfg_scale": 0.5}]),
+    "llada2_moe": ({"n_layers": 3}, [{}, {"editing_threshold": 0.5, "max_post_steps": 4}]),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {f: write_random_checkpoint(tmp_path_factory.mktemp(f), family=f, seed=7, **sizes)
+            for f, (sizes, _) in FAMILIES.items()}
+
+
+def tensor_parallel(path, **kw) -> kstep.LLM:
+    return kstep.load(path, tensor_parallel_size=2, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_ranks_generate_what_one_does(checkpoints, family):
+    one, two = kstep.load(checkpoints[family]), tensor_parallel(checkpoints[family])
+    try:
+        for settings in FAMILIES[family][1]:
+            want = one.generate(PROMPTS, max_tokens=32, **settings)
+            got = two.generate(PROMPTS, max_tokens=32, **settings)
+            assert [r.token_ids for r in got] == [r.token_ids for r in want], settings
+            assert [r.nfe for r in got] == [r.nfe for r in want], settings
+    finally:
+        two.runner.close()
+
+
+def test_speculative_decoding_and_one_pass_collectives(checkpoints):
+    path = checkpoints["qwen2"]
+    one, two = kstep.load(path, draft="ngram"), tensor_parallel(path, draft="ngram")
+    try:
+        assert two.generate(PROMPTS, max_tokens=32)[0].token_ids == one.generate(PROMPTS, max_tokens=32)[0].token_ids
+        counts = two.runner.group.counts
+        counts.clear()
+        two.generate(PROMPTS[0], max_tokens=1, num_draft_tokens=0)  # one pass: the prefill
+        layers = two.cfg.n_layers
+        # two all-reduces per layer (attention, MLP) and the embedding's; the head's one gather; one message
+        assert dict(counts) == {"broadcast": 1, "all_reduce": 2 * layers + 1, "gather": 1}
+    finally:
+        two.runner.close()
+
+
+def test_each_rank_holds_about_half_the_weights(checkpoints):
+    path = checkpoints["llada2_moe"]
+    one, two = kstep.load(path), tensor_parallel(path)
+    try:
+        size = lambda llm: sum(p.numel() for p in llm.model.parameters())  # noqa: E731
+        assert 0.45 < size(two) / size(one) < 0.6  # the norms and routers are replicated
+        experts = two.model.layers[1].mlp.experts
+        assert (experts.num_experts, experts.first) == (one.cfg.moe.num_experts // 2, 0)  # whole experts
+    finally:
+        two.runner.close()
+
+
+def test_sizes_that_do_not_divide_are_refused_naming_the_numbers(checkpoints, capsys):
+    cfg = random_config("llada2_moe", 500, n_heads=4, n_kv_heads=2, num_experts=8)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the 4 attention heads"):
+        plan_shard(cfg, 0, 3)
+    with pytest.raises(ValueError, match="does not divide the 6 experts"):
+        plan_shard(random_config("llada_moe", 500, num_experts=6), 0, 4)
+    replicated = plan_shard(cfg, 3, 4)  # 2 key/value heads on 4 ranks: rank 3 keeps head 1
+    assert replicated.kv_heads == (1, 2) and replicated.heads == (3, 4)
+    assert plan_shard(random_config("llama", 503), 1, 2).vocab == (252, 504)  # padded to a multiple of 2
+    assert main(["generate", "x", "--model", str(checkpoints["llama"]), "-tp", "3"]) == 2
+    assert "tensor_parallel_size 3" in capsys.readouterr().err
+
+
+def test_a_lost_rank_fails_at_once(checkpoints):
+    two = tensor_parallel(checkpoints["llama"])
+    two.generate(PROMPTS[0], max_tokens=2)
+    two.runner.workers[0].kill()
+    start = time.monotonic()
+    with pytest.raises(GroupLost, match="kstep-rank-1 stopped"):
+        two.generate(PROMPTS[0], max_tokens=2)
+    assert time.monotonic() - start < 10
+    with pytest.raises(GroupLost):  # and stays failed
+        two.generate(PROMPTS[0], max_tokens=2)
+
+
+def test_served_on_two_ranks_batched_equals_alone_and_a_lost_rank_stops_the_server(checkpoints, tmp_path):
+    log = tmp_path / "serve.log"
+    with running_server(f"ar={checkpoints['qwen2']}", "--model", f"ld={checkpoints['llada']}", "-tp", "2",
+                        log=log) as (url, proc):
+        requests = [(m, p) for m in ("ar", "ld") for p in ("def f(x):", "x = [", "class A:", "import os")]
+        alone = [client(url).completions.create(model=m, prompt=p, max_tokens=24, temperature=0).choices[0].text
+                 for m, p in requests]
+
+        async def together():
+            async with httpx.AsyncClient(timeout=60) as h:
+                return await asyncio.gather(*(h.post(url + "/v1/completions", json={
+                    "model": m, "prompt": p, "max_tokens": 24, "temperature": 0}) for m, p in requests))
+        assert [r.json()["choices"][0]["text"] for r in asyncio.run(together())] == alone
+        answer = {}
+
+        def long_request():
+            answer["r"] = httpx.post(url + "/v1/completions", json={
+                "model": "ld", "prompt": "x", "max_tokens": 512, "exact": True, "temperature": 0}, timeout=60)
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        while not httpx.get(url + "/health").json()["running"]:
+            time.sleep(0.02)
+        for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split():
+            os.kill(int(pid), signal.SIGKILL)  # every rank but 0
+        worker.join(30)
+        assert answer["r"].status_code == 503 and "tensor-parallel group" in answer["r"].json()["error"]["message"]
+        assert proc.wait(timeout=30) != 0
