@@ -4,7 +4,8 @@
 #   1. correctness on CUDA: every family generates in bf16 on the GPU and its batch equals its rows
 #      alone (the test suite itself builds its models on the CPU: its parity tests run there, quickly);
 #   2. pass costs at real shapes in bf16 (kstep bench passes) against floors measured in the same run;
-#   3. bench decode / compare / serve on the bundled models in bf16 on cuda.
+#   3. bench decode / compare / serve on the bundled models in bf16 on cuda;
+#   4. with 2+ GPUs: tensor parallel (NCCL) TP=2 against TP=1, and bench tp.
 # Usage: bash scripts/gpu_check.sh [OUT]   (OUT defaults to docs/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,5 +54,21 @@ if $PY -c "import fastapi, uvicorn" 2>/dev/null; then  # the lent image lacks th
   kill $SERVER
 else
   echo "== bench_serve skipped: fastapi/uvicorn not importable" | tee -a "$OUT/summary.txt"
+fi
+# 4. with 2+ GPUs: tensor parallel on NCCL (never run yet): TP=2 tokens == TP=1, then bench tp
+if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  run tp_cuda 120 $PY - <<'EOF'
+import kstep
+from kstep.random_checkpoint import write_random_checkpoint
+if __name__ == "__main__":
+    for family in ["llama", "llada", "sdar", "llada2_moe", "llada_moe"]:
+        path = write_random_checkpoint(f"/tmp/gpu-tp-{family}", family=family, seed=1)
+        one = kstep.load(path, device="cuda", dtype="bfloat16")
+        two = kstep.load(path, device="cuda", dtype="bfloat16", tensor_parallel_size=2)
+        same = one.generate([5, 6, 7], max_tokens=16)[0].token_ids == two.generate([5, 6, 7], max_tokens=16)[0].token_ids
+        print(family, "tp2 == tp1:", same, dict(two.runner.group.counts))
+        two.runner.close()
+EOF
+  run bench_tp 150 $KSTEP bench tp --shapes qwen2:qwen2.5-1.5b:bfloat16 --out "$OUT/tp"
 fi
 echo "done in $SECONDS s" | tee -a "$OUT/summary.txt"

@@ -1,5 +1,5 @@
-"""`kstep bench moe|load|passes`: the benchmarks of what real model sizes cost (the MoE layer and
-its floors, a checkpoint's loading memory, one pass at a published shape). Each reports ratios
+"""`kstep bench moe|load|passes|tp`: the benchmarks of what real model sizes cost (the MoE layer and
+its floors, a checkpoint's loading memory, one pass at a published shape, one pass split over ranks). Each reports ratios
 against a baseline measured in the same run."""
 import argparse
 import json
@@ -125,4 +125,43 @@ def run_passes(args: argparse.Namespace) -> int:
     (out / "bench_passes.json").write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=2))
     (out / "bench_passes.md").write_text(format_table(rows) + "\n")
     plot_ratio(rows, out / "pass_over_step.png")
+    return 0
+
+
+def add_tp(kinds) -> None:
+    tp = add_command(kinds, "tp", "tensor / expert parallel at published shapes: N ranks against one, on the same "
+                     "cores (pass time, time in collectives, memory per rank)")
+    tp.add_argument("--shapes", default="qwen2:qwen2.5-1.5b:float32,llada2_moe:llada2-2b:bfloat16",
+                    help="FAMILY:SHAPE:DTYPE,... (kstep/shapes.py)")
+    tp.add_argument("-tp", "--tensor-parallel-size", type=int, default=2, metavar="N", help="the ranks to compare")
+    tp.add_argument("--context", type=int, default=512, help="cached positions the passes attend to")
+    tp.add_argument("--repeats", type=int, default=7)
+    tp.add_argument("--checkpoints", default="runs/bench-tp", help="where the random checkpoints are written")
+    tp.add_argument("--out", default="out/bench")
+    tp.set_defaults(run=run_tp)
+
+
+def run_tp(args: argparse.Namespace) -> int:
+    from kstep.bench.tp import checkpoint, format_table, measure_alone
+    from kstep.llm import resolve_dtype
+    from kstep.registry import FAMILIES
+    from kstep.shapes import SHAPES
+    shapes = [tuple(item.split(":")) for item in args.shapes.split(",") if item]
+    for item in shapes:
+        if len(item) != 3 or item[0] not in FAMILIES or item[1] not in SHAPES:
+            raise ValueError(f"--shapes: {':'.join(item)!r} is not FAMILY:SHAPE:DTYPE with a known shape")
+    check_positive(args, "repeats", "context", "tensor_parallel_size")
+    rows = []
+    for family, shape, dtype_name in shapes:
+        dtype = resolve_dtype(dtype_name)
+        path = checkpoint(Path(args.checkpoints), family, shape, dtype)
+        for size, threads in ((1, 0), (1, 1), (args.tensor_parallel_size, 1)):
+            _progress(f"{shape} {dtype_name}: {size} rank(s)")
+            rows.append({"model": f"{shape} ({family}, {dtype_name})",
+                         **measure_alone(path, dtype, size, args.context, args.repeats, threads)})
+    print(format_table(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_tp.json").write_text(json.dumps({"context": args.context, "rows": rows}, indent=2) + "\n")
+    (out / "bench_tp.md").write_text(format_table(rows) + "\n")
     return 0
