@@ -93,7 +93,6 @@ def fake_engine():
 
     llm = SimpleNamespace(resolve=lambda params: params, tokenizer=None, stop_ids=[STOP], kind="autoregressive",
                           cfg=SimpleNamespace(mask_token_id=None, block_size=None), is_diffusion=False,
-                          tensor_parallel_size=1,
                           pass_costs=PassCosts(), make_decoder=fake_make_decoder)
     return SimpleNamespace(make=lambda **kw: Engine(llm, **kw), main=main, draft=draft)
 

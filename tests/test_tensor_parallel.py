@@ -16,6 +16,8 @@ import kstep
 from kstep.bench.server_process import running_server
 from kstep.cli import main
 from kstep.distributed.runner import GroupLost
+from kstep.engine.engine import Engine
+from kstep.engine.request import Request
 from kstep.distributed.sharding import plan_shard
 from kstep.random_checkpoint import random_config, write_random_checkpoint
 from test_server import client
@@ -68,6 +70,29 @@ def test_speculative_decoding_and_one_pass_collectives(checkpoints):
         layers = two.cfg.n_layers
         # two all-reduces per layer (attention, MLP) and the embedding's; the head's one gather; one message
         assert dict(counts) == {"broadcast": 1, "all_reduce": 2 * layers + 1, "gather": 1}
+    finally:
+        two.runner.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "sdar"])
+def test_the_prefix_cache_is_kept_on_every_rank(checkpoints, family):
+    """A request that copies a cached prefix on rank 0 copies it on every rank: TP=2 serves the
+    requests of TP=1 token for token, hitting the cache."""
+    shared = list(range(20, 60))  # 40 tokens: whole cache blocks (16; SDAR: of its blocks of 4)
+
+    def serve(llm) -> tuple[list, int]:
+        engine = Engine(llm, prefix_cache_bytes=1 << 24)
+        requests = [Request([shared + tail], llm.resolve(kstep.GenerationParams(max_tokens=12)))
+                    for tail in ([5, 6], [7, 8, 9], [5, 6])]
+        for request in requests:  # one after another: each later one finds the blocks the first stored
+            engine.add_request(request)
+            while engine.has_work():
+                engine.step()
+        return [r.output_ids for r in requests], engine.prefix_cache.hit_tokens
+    one, two = kstep.load(checkpoints[family]), tensor_parallel(checkpoints[family])
+    try:
+        (want, _), (got, hits) = serve(one), serve(two)
+        assert got == want and hits >= 64
     finally:
         two.runner.close()
 

@@ -5,7 +5,10 @@ Rank 0 sends each packed pass it is asked for (its ForwardPass descriptions: tok
 masks, cache windows; one broadcast per step) before running it; every rank then runs the same
 packed pass over its share of the weights, meeting at the layers' collectives, and rank 0 alone
 gets the logits. KV caches live on every rank (each its heads): rank 0's handle carries an id the
-others know theirs by; a cache rank 0 drops is dropped everywhere with the next step's message."""
+others know theirs by; a cache rank 0 drops is dropped everywhere with the next step's message.
+A prefix cache is mirrored the same way: every load and store rank 0's makes is replayed by each
+rank on its own cache and KV before the next pass, so all ranks' caches hold the same blocks (the
+same operations in the same order: the same LRU choices)."""
 import itertools
 import weakref
 from dataclasses import fields
@@ -15,6 +18,7 @@ import torch
 from kstep.distributed.group import TPGroup
 from kstep.layers.attention import KVCache
 from kstep.runner.model_runner import ForwardPass, ModelRunner
+from kstep.runner.prefix_cache import PrefixCache
 
 PASS_FIELDS = tuple(f.name for f in fields(ForwardPass) if f.name not in ("runner", "kv"))
 
@@ -43,16 +47,50 @@ def describe(p: ForwardPass) -> dict:
     return out
 
 
+def _local_kv(described, runner: ModelRunner, caches: dict[int, KVCache]) -> KVCache | None:
+    """This rank's KV cache of rank 0's (kv_id, batch, length), allocated when first seen."""
+    if described is None:
+        return None
+    kv_id, batch, length = described
+    if kv_id not in caches:
+        caches[kv_id] = runner.allocate_kv(batch, length)
+    return caches[kv_id]
+
+
 def rebuild(d: dict, runner: ModelRunner, caches: dict[int, KVCache]) -> ForwardPass:
     """A described pass on this rank: its tensors on this device, its KV cache this rank's."""
-    kv = None
-    if d["kv"] is not None:
-        kv_id, batch, length = d["kv"]
-        kv = caches.get(kv_id)
-        if kv is None:
-            kv = caches[kv_id] = runner.allocate_kv(batch, length)
     values = {name: _to(d[name], runner.device) for name in PASS_FIELDS}
-    return ForwardPass(runner=runner, kv=kv, **values)
+    return ForwardPass(runner=runner, kv=_local_kv(d["kv"], runner, caches), **values)
+
+
+def _shared(kv: SharedKV) -> tuple[int, int, int]:
+    return kv.kv_id, kv.batch, kv.length
+
+
+class MirroredPrefixCache(PrefixCache):
+    """Rank 0's prefix cache: each load and store is queued for the other ranks (module note)."""
+
+    def __init__(self, runner: "TensorParallelRunner", budget_bytes: int, block_size: int):
+        super().__init__(budget_bytes, block_size)
+        self.runner, self.cache_id = runner, next(runner._ids)
+
+    def load(self, tokens: list[int], kv: KVCache, max_tokens: int) -> int:
+        self.runner.replayed.append(("load", self.cache_id, (self.budget, self.block_size), tokens, _shared(kv),
+                                     max_tokens))
+        return super().load(tokens, kv, max_tokens)
+
+    def store(self, tokens: list[int], kv: KVCache, row: int = 0) -> None:
+        self.runner.replayed.append(("store", self.cache_id, (self.budget, self.block_size), tokens, _shared(kv),
+                                     row))
+        super().store(tokens, kv, row)
+
+
+def replay(ops: list, runner: ModelRunner, caches: dict[int, KVCache], prefix_caches: dict[int, PrefixCache]) -> None:
+    """A rank other than 0: rank 0's prefix-cache operations, on this rank's caches."""
+    for op, cache_id, sizes, tokens, kv, arg in ops:
+        if cache_id not in prefix_caches:
+            prefix_caches[cache_id] = PrefixCache(*sizes)
+        getattr(prefix_caches[cache_id], op)(tokens, _local_kv(kv, runner, caches), arg)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -63,6 +101,7 @@ class TensorParallelRunner(ModelRunner):
         self.group, self.workers = group, workers
         self._ids = itertools.count()
         self._freed: list[int] = []
+        self.replayed: list[tuple] = []  # prefix-cache operations since the last message
         self.is_closed = self.is_broken = False
 
     def allocate_kv(self, batch: int, length: int) -> KVCache:
@@ -71,13 +110,17 @@ class TensorParallelRunner(ModelRunner):
         weakref.finalize(kv, self._freed.append, kv.kv_id)  # list.append: safe from any thread's collection
         return kv
 
+    def make_prefix_cache(self, budget_bytes: int, block_size: int) -> PrefixCache:
+        return MirroredPrefixCache(self, budget_bytes, block_size)
+
     def execute(self, passes: list[ForwardPass]) -> list[torch.Tensor]:
         if self.is_closed:
             raise (GroupLost if self.is_broken else RuntimeError)("the tensor-parallel group of this model has "
                                                                   "stopped")
         freed, self._freed = self._freed, []
+        ops, self.replayed = self.replayed, []
         try:
-            self.group.broadcast_object(("execute", [describe(p) for p in passes], freed))
+            self.group.broadcast_object(("execute", [describe(p) for p in passes], ops, freed))
             return super().execute(passes)
         except Exception as e:  # any failure mid-pass leaves the ranks out of step: the group is done
             self.is_closed = self.is_broken = True
@@ -94,7 +137,7 @@ class TensorParallelRunner(ModelRunner):
             return
         self.is_closed = True
         try:
-            self.group.broadcast_object(("stop", [], []))
+            self.group.broadcast_object(("stop", [], [], []))
         except RuntimeError:  # a rank already gone: nothing to tell it
             pass
         for worker in self.workers:
@@ -107,8 +150,10 @@ class TensorParallelRunner(ModelRunner):
 def follow(group: TPGroup, runner: ModelRunner) -> None:
     """A rank other than 0: run what rank 0 sends until it says stop."""
     caches: dict[int, KVCache] = {}
+    prefix_caches: dict[int, PrefixCache] = {}
     while True:
-        op, payload, freed = group.broadcast_object()
+        op, payload, replayed, freed = group.broadcast_object()
+        replay(replayed, runner, caches, prefix_caches)  # before the frees: a store may read a cache just dropped
         for kv_id in freed:
             caches.pop(kv_id, None)
         if op == "stop":

@@ -20,7 +20,6 @@ from kstep.llm import LLM
 from kstep.outputs import StepOutput
 from kstep.params import DIFFUSION, knob_applies
 from kstep.runner.model_runner import execute_passes
-from kstep.runner.prefix_cache import PrefixCache
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,12 +55,11 @@ class Engine:
         self.scheduler = Scheduler(max_batch_size, max_queue)
         # AR and block-diffusion prompts share keys (causal across blocks); a canvas diffusion model's do not.
         # A cached block must hold whole model blocks (a block's keys depend on all of it).
-        # (not across tensor-parallel ranks yet: the cache copies rank 0's keys only)
-        shares_prefixes = llm.kind != DIFFUSION and llm.tensor_parallel_size == 1
+        shares_prefixes = llm.kind != DIFFUSION
         model_block = llm.cfg.block_size or 1
         cache_block = -(-16 // model_block) * model_block
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, cache_block) if prefix_cache_bytes > 0 and shares_prefixes \
-            else None
+        self.prefix_cache = llm.runner.make_prefix_cache(prefix_cache_bytes, cache_block) \
+            if prefix_cache_bytes > 0 and shares_prefixes else None
         self.streams: dict[str, list[TextStream]] = {}
         self.step_seconds = 0.0  # recent steps' time (moving average): what a joining request waits per pass
 

@@ -12,6 +12,7 @@ import torch
 
 from kstep.layers.attention import KVCache, Segment
 from kstep.models.transformer import Transformer
+from kstep.runner.prefix_cache import PrefixCache
 
 
 def positions_from_padding(key_mask: torch.Tensor) -> torch.Tensor:
@@ -67,6 +68,10 @@ class ModelRunner:
         shape = (batch, self.model.layers[0].attn.n_kv_heads, length, self.cfg.head_dim)  # this rank's heads
         return [(torch.zeros(shape, device=self.device, dtype=self.dtype),
                  torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(self.cfg.n_layers)]
+
+    def make_prefix_cache(self, budget_bytes: int, block_size: int) -> PrefixCache:
+        """A prefix cache for this model's requests (a tensor-parallel runner's is kept on every rank)."""
+        return PrefixCache(budget_bytes, block_size)
 
     def _positions(self, key_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
         if key_mask is None:
