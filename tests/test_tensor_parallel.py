@@ -1,7 +1,8 @@
 """Tensor and expert parallel on the CPU: 2 ranks over gloo (spawned processes, one thread each).
 TP=2 gives TP=1's tokens for every family, one pass costs the collectives the scheme says, each rank
-holds about half the weights, sizes that do not divide are refused naming the numbers, and a lost
-rank fails at once (the server answers 503 and exits), never hangs."""
+holds about half the weights (and /metrics each rank's expert load), the prefix cache is kept on
+every rank, sizes that do not divide are refused naming the numbers, and a lost rank fails at once
+(the server answers 503 and exits), never hangs."""
 import asyncio
 import os
 import signal
@@ -11,15 +12,17 @@ import time
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 
 import kstep
 from kstep.bench.server_process import running_server
 from kstep.cli import main
 from kstep.distributed.runner import GroupLost
-from kstep.engine.engine import Engine
-from kstep.engine.request import Request
 from kstep.distributed.sharding import plan_shard
+from kstep.engine.engine import Engine, StepStats
+from kstep.engine.request import Request
 from kstep.random_checkpoint import random_config, write_random_checkpoint
+from kstep.server.metrics import Metrics
 from test_server import client
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks need two cores")
@@ -105,6 +108,14 @@ def test_each_rank_holds_about_half_the_weights(checkpoints):
         assert 0.45 < size(two) / size(one) < 0.6  # the norms and routers are replicated
         experts = two.model.layers[1].mlp.experts
         assert (experts.num_experts, experts.first) == (one.cfg.moe.num_experts // 2, 0)  # whole experts
+        two.generate(PROMPTS[0], max_tokens=32)
+        load, moe = two.runner.expert_load(), two.cfg.moe
+        sparse = sum(moe.is_sparse(i) for i in range(two.cfg.n_layers))
+        assert len(load) == 2 and min(load) > 0 and sum(load) % (moe.top_k * sparse) == 0  # every token's k, per layer
+        metrics = Metrics()
+        metrics.for_model("m").observe_step(StepStats(1, 1, 1, 0.1, 1), Engine(two))
+        exported = generate_latest(metrics.registry).decode()
+        assert f'kstep_expert_pairs{{model="m",rank="1"}} {float(load[1])}' in exported
     finally:
         two.runner.close()
 

@@ -113,6 +113,12 @@ class TensorParallelRunner(ModelRunner):
     def make_prefix_cache(self, budget_bytes: int, block_size: int) -> PrefixCache:
         return MirroredPrefixCache(self, budget_bytes, block_size)
 
+    def expert_load(self) -> list[int] | None:
+        """Per rank, the (token, expert) pairs its experts have run so far, over every MoE layer (rank
+        0 routes every token, as each rank does: it knows them all); None for a dense model."""
+        loads = [m.rank_load for m in self.model.modules() if getattr(m, "rank_load", None) is not None]
+        return torch.stack(loads).sum(0).tolist() if loads else None
+
     def execute(self, passes: list[ForwardPass]) -> list[torch.Tensor]:
         if self.is_closed:
             raise (GroupLost if self.is_broken else RuntimeError)("the tensor-parallel group of this model has "

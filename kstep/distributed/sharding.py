@@ -114,6 +114,7 @@ def shard_model(model: nn.Module, shard: Shard, group) -> None:
             mlp.experts.gate_up = nn.Parameter(mlp.experts.gate_up[e0:e1].clone(), requires_grad=False)
             mlp.experts.down = nn.Parameter(mlp.experts.down[e0:e1].clone(), requires_grad=False)
             mlp.experts.num_experts, mlp.experts.first = e1 - e0, e0
+            mlp.experts.rank_load = torch.zeros(shard.size, dtype=torch.long)  # moved to the device with the model
             mlp.reduce = group.all_reduce
             if mlp.shared is not None:
                 _shard_mlp(mlp.shared, shard.shared[1] - shard.shared[0])

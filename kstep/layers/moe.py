@@ -128,7 +128,8 @@ class Experts(nn.Module):
                  activation: Callable[[torch.Tensor], torch.Tensor] = F.silu):
         super().__init__()
         self.num_experts, self.expert_dim, self.activation = num_experts, expert_dim, activation
-        self.first: int | None = None  # expert parallel: the global id of this rank's first expert
+        self.first: int | None = None  # expert parallel: the global id of this rank's first expert, ...
+        self.rank_load: torch.Tensor | None = None  # ... and per rank, the (token, expert) pairs its experts got
         self.gate_up = nn.Parameter(torch.empty(num_experts, d_model, 2 * expert_dim))
         self.down = nn.Parameter(torch.empty(num_experts, expert_dim, d_model))
 
@@ -149,6 +150,8 @@ class Experts(nn.Module):
         flat, weights = routing.expert_ids.reshape(-1), routing.weights.reshape(-1)  # (N*k,)
         pairs = None
         if self.first is not None:  # expert parallel: this rank's experts' pairs only (the others run theirs)
+            counts = torch.bincount(flat // self.num_experts, minlength=self.rank_load.shape[0])
+            self.rank_load = self.rank_load.to(counts.device) + counts  # (not a buffer: never in a checkpoint)
             flat = flat - self.first
             pairs = ((flat >= 0) & (flat < self.num_experts)).nonzero().squeeze(1)  # (M,)
             flat, weights = flat[pairs], weights[pairs]

@@ -37,6 +37,8 @@ class Metrics:
         self.prefix_query_tokens = Gauge("kstep_prefix_cache_query_tokens", "Prompt tokens looked up in the cache",
                                          m, registry=r)
         self.prefix_bytes = Gauge("kstep_prefix_cache_bytes", "Bytes held by the prefix cache", m, registry=r)
+        self.expert_pairs = Gauge("kstep_expert_pairs", "Expert parallel: (token, expert) pairs each rank's experts "
+                                  "have run, over every MoE layer", ["model", "rank"], registry=r)
         self.request_seconds = Histogram("kstep_request_seconds", "Request latency, arrival to last byte", m,
                                          buckets=LATENCY_BUCKETS, registry=r)
 
@@ -68,6 +70,9 @@ class ModelMetrics:
         m.batch_size.labels(label).observe(stats.batch_size)
         m.queue_depth.labels(label).set(engine.scheduler.num_waiting)
         m.running.labels(label).set(engine.scheduler.num_running)
+        expert_load = getattr(engine.llm.runner, "expert_load", None)
+        for rank, pairs in enumerate((expert_load() if expert_load else None) or []):
+            m.expert_pairs.labels(label, str(rank)).set(pairs)
         if engine.prefix_cache is not None:
             m.prefix_hit_tokens.labels(label).set(engine.prefix_cache.hit_tokens)
             m.prefix_query_tokens.labels(label).set(engine.prefix_cache.query_tokens)
