@@ -6,6 +6,7 @@ Which decoder runs is the family's (kstep/registry.py); the serving engine steps
 decoders with other requests' (kstep/engine).
 """
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,6 +40,7 @@ class LLM:
         self.quantize, self.tensor_parallel_size = quantize, tensor_parallel_size
         self.runner = load_runner(self.path, self.device, resolve_dtype(dtype), quantize, tensor_parallel_size)
         self.model = self.runner.model  # a tensor-parallel model: rank 0's share
+        self.close = weakref.finalize(self, getattr(self.runner, "close", lambda: None))  # its ranks stop with it
         self.cfg = self.model.cfg
         self.family = FAMILIES[self.cfg.family]
         self.tokenizer: Tokenizer | None = load_tokenizer(self.path)
@@ -265,7 +267,7 @@ class LLM:
                             "num_window_passes": 0})
         rows, row_nfe = decode_alone(decoder, timings, self.pass_costs if self.pass_costs.is_calibrated else None)
         seconds = time.perf_counter() - start
-        if "planned_passes" in timings:  # a planned request, alone: how far plans scatter here
+        if "planned_passes" in timings and len(batch) == 1:  # a planned request, alone: how far plans scatter here
             self.pass_costs.observe_outcome(timings["predicted_seconds"], timings["planned_passes"], seconds,
                                             decoder.nfe)
         timings = {"decode_seconds": seconds, **timings, "batch_passes": decoder.nfe, **decoder.stats()}

@@ -95,8 +95,8 @@ class PassCosts:
         Only one that ran (nearly) its worst case says how far a plan's time can scatter."""
         if passes < 0.9 * planned_passes or predicted <= 0:
             return
-        with self._lock:
-            self.outcomes.append(seconds / predicted)
+        with self._lock:  # as if it had run every planned pass
+            self.outcomes.append(seconds * planned_passes / max(passes, 1) / predicted)
             self._new_outcomes += 1
             if self._new_outcomes >= OUTCOME_STEP:
                 self._new_outcomes = 0

@@ -188,7 +188,7 @@ def test_the_margin_follows_how_far_planned_requests_scatter():
         costs.observe_outcome(1.0, 100, 1.25, 100)
     costs.observe_outcome(1.0, 100, 9.0, 50)  # ran half its planned passes: says nothing of the scatter
     assert costs.margin() == MARGIN
-    costs.observe_outcome(1.0, 100, 1.25, 98)
+    costs.observe_outcome(1.0, 100, 1.25 * 0.95, 95)  # 95 of its 100 passes: counted as if it had run them all
     assert costs.margin() == pytest.approx(0.8)  # every request ran 25% over its prediction
     for _ in range(7):
         costs.observe_outcome(1.0, 100, 0.7, 100)

@@ -4,13 +4,13 @@ only its share of the weights, rank 0 returning the model and its runner.
 
 CPU ranks run one torch thread each by default (N ranks on N cores); CUDA rank r uses cuda:r."""
 import os
-import queue
+import sys
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-from kstep.distributed.group import TPGroup, free_port
+from kstep.distributed.group import TPGroup, make_store
 from kstep.distributed.runner import TensorParallelRunner, follow
 from kstep.distributed.sharding import plan_shard, shard_model, shard_names
 from kstep.models import Transformer
@@ -25,8 +25,10 @@ def check_size(size: int, device: torch.device) -> None:
     """A group this machine can hold, or a ValueError naming the numbers."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
-    if device.type == "cuda" and size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size {size} exceeds the {torch.cuda.device_count()} CUDA devices here")
+    first = device.index or 0
+    if device.type == "cuda" and first + size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {size} from cuda:{first} needs {first + size} CUDA devices; "
+                         f"there are {torch.cuda.device_count()}")
     if device.type == "cpu" and size > (os.cpu_count() or 1):
         raise ValueError(f"tensor_parallel_size {size} exceeds the {os.cpu_count()} CPU cores here (one rank per core)")
 
@@ -40,8 +42,6 @@ def load_shard(path, device: torch.device, dtype: torch.dtype, group: TPGroup) -
     slices read (peak memory: the share plus one tensor being copied)."""
     cfg = read_model_config(path)
     family = FAMILIES[cfg.family]
-    if family.network is not None:
-        raise ValueError(f"tensor parallel does not run {cfg.family} yet (its own network): use tensor_parallel_size 1")
     shard = plan_shard(cfg, group.rank, group.size)
     model = build_model(cfg, device, dtype, reshape=lambda m: shard_model(m, shard, group))
     with torch.no_grad():
@@ -54,46 +54,56 @@ def load_shard(path, device: torch.device, dtype: torch.dtype, group: TPGroup) -
 
 
 def _rank_main(rank: int, size: int, port: int, path: str, device: str, dtype: torch.dtype, threads: int,
-               reports) -> None:
+               pipe) -> None:
     try:
         torch.set_num_threads(threads)
-        group = TPGroup.join(rank, size, port, device)
+        group = TPGroup.join(rank, size, device, port=port)
         model = load_shard(Path(path), torch.device(device), dtype, group)
     except Exception as e:  # rank 0 says why, then stops the group
-        reports.put(f"rank {rank}: {e}")
+        pipe.send(f"rank {rank}: {e}")
         return
-    reports.put(None)
+    pipe.send(None)
     try:
-        follow(group, ModelRunner(model))
-    except RuntimeError:  # rank 0 went away (its process ended without a stop): nothing to serve
-        pass
+        follow(ModelRunner(model), pipe)
+    except RuntimeError as e:  # a collective failed: another rank is gone, and so is the group
+        print(f"kstep rank {rank}: stopping: {e}", file=sys.stderr, flush=True)
+
+
+def check_supported(cfg, size: int) -> None:
+    """A model tensor parallel runs at this size (before any rank starts), or a ValueError saying why."""
+    if FAMILIES[cfg.family].network is not None:
+        raise ValueError(f"tensor parallel does not run {cfg.family} yet (its own network): use tensor_parallel_size 1")
+    plan_shard(cfg, 0, size)
 
 
 def load_tensor_parallel(path, device: torch.device, dtype: torch.dtype, size: int,
                          threads: int = 1) -> tuple[Transformer, TensorParallelRunner]:
     """Start ranks 1..size-1, load rank 0's share here; (rank 0's model, its runner)."""
     check_size(size, device)
-    plan_shard(read_model_config(path), 0, size)  # a size the model cannot split fails before any rank starts
+    check_supported(read_model_config(path), size)
     context = mp.get_context("spawn")
-    port, reports = free_port(), context.Queue()
-    workers = [context.Process(target=_rank_main, daemon=True, name=f"kstep-rank-{rank}",
-                               args=(rank, size, port, str(path), str(rank_device(device, rank)), dtype, threads,
-                                     reports)) for rank in range(1, size)]
-    for worker in workers:
-        worker.start()
+    store = make_store(size)
+    pipes, workers = [], []
     try:
-        group = TPGroup.join(0, size, port, rank_device(device, 0))
+        for rank in range(1, size):
+            mine, theirs = context.Pipe()
+            workers.append(context.Process(target=_rank_main, daemon=True, name=f"kstep-rank-{rank}", args=(
+                rank, size, store.port, str(path), str(rank_device(device, rank)), dtype, threads, theirs)))
+            workers[-1].start()
+            theirs.close()  # the child holds it now: its death reads as EOF here
+            pipes.append(mine)
+        group = TPGroup.join(0, size, rank_device(device, 0), store=store)
         model = load_shard(path, rank_device(device, 0), dtype, group)
-        for _ in workers:
-            failed = reports.get(timeout=READY_SECONDS)
-            if failed:
+        for pipe in pipes:
+            if not pipe.poll(READY_SECONDS):
+                raise ValueError("a rank did not load in time")
+            if (failed := pipe.recv()) is not None:
                 raise ValueError(failed)
-    except (ValueError, RuntimeError, queue.Empty) as e:
+    except BaseException as e:
         for worker in workers:
             worker.kill()
-        raise ValueError(f"tensor parallel start failed: {e or 'a rank did not load in time'}") from None
-    except BaseException:
-        for worker in workers:
-            worker.kill()
+            worker.join(5)
+        if isinstance(e, (ValueError, RuntimeError, EOFError)):
+            raise ValueError(f"tensor parallel start failed: {e or 'a rank stopped while loading'}") from None
         raise
-    return model, TensorParallelRunner(model, group, workers)
+    return model, TensorParallelRunner(model, group, workers, pipes)

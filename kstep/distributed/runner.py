@@ -2,7 +2,7 @@
 any runner, and the loop every other rank runs.
 
 Rank 0 sends each packed pass it is asked for (its ForwardPass descriptions: tokens, positions,
-masks, cache windows; one broadcast per step) before running it; every rank then runs the same
+masks, cache windows; one message per step, by pipe) before running it; every rank then runs the same
 packed pass over its share of the weights, meeting at the layers' collectives, and rank 0 alone
 gets the logits. KV caches live on every rank (each its heads): rank 0's handle carries an id the
 others know theirs by; a cache rank 0 drops is dropped everywhere with the next step's message.
@@ -11,6 +11,7 @@ rank on its own cache and KV before the next pass, so all ranks' caches hold the
 same operations in the same order: the same LRU choices)."""
 import itertools
 import weakref
+from collections import deque
 from dataclasses import fields
 
 import torch
@@ -94,20 +95,22 @@ def replay(ops: list, runner: ModelRunner, caches: dict[int, KVCache], prefix_ca
 
 
 class TensorParallelRunner(ModelRunner):
-    """Rank 0's runner: every pass and cache is mirrored on the other ranks (module note)."""
+    """Rank 0's runner: every pass and cache is mirrored on the other ranks (module note). Its
+    messages go to each rank by pipe (`pipes`, one each, in rank order), pickled between kstep's
+    own processes (never a file): a pipe has no timeout, and a rank whose parent died reads EOF."""
 
-    def __init__(self, model, group: TPGroup, workers: list):
+    def __init__(self, model, group: TPGroup, workers: list, pipes: list):
         super().__init__(model)
-        self.group, self.workers = group, workers
+        self.group, self.workers, self.pipes = group, workers, pipes
         self._ids = itertools.count()
-        self._freed: list[int] = []
+        self._freed: deque[int] = deque()  # one deque for good: finalizers of every cache append to it
         self.replayed: list[tuple] = []  # prefix-cache operations since the last message
         self.is_closed = self.is_broken = False
 
     def allocate_kv(self, batch: int, length: int) -> KVCache:
         kv = SharedKV(super().allocate_kv(batch, length))
         kv.kv_id, kv.batch, kv.length = next(self._ids), batch, length
-        weakref.finalize(kv, self._freed.append, kv.kv_id)  # list.append: safe from any thread's collection
+        weakref.finalize(kv, self._freed.append, kv.kv_id)  # deque.append: safe from any thread's collection
         return kv
 
     def make_prefix_cache(self, budget_bytes: int, block_size: int) -> PrefixCache:
@@ -119,20 +122,35 @@ class TensorParallelRunner(ModelRunner):
         loads = [m.rank_load for m in self.model.modules() if getattr(m, "rank_load", None) is not None]
         return torch.stack(loads).sum(0).tolist() if loads else None
 
+    def _send(self, message: tuple) -> None:
+        self.group.counts["message"] += 1
+        for pipe in self.pipes:
+            pipe.send(message)
+
+    def _taken(self) -> tuple[list, list[int]]:
+        """The prefix-cache operations and the freed caches since the last message (drained in place:
+        a cache collected meanwhile goes with the next one)."""
+        ops, self.replayed = self.replayed, []
+        return ops, [self._freed.popleft() for _ in range(len(self._freed))]
+
     def execute(self, passes: list[ForwardPass]) -> list[torch.Tensor]:
         if self.is_closed:
             raise (GroupLost if self.is_broken else RuntimeError)("the tensor-parallel group of this model has "
                                                                   "stopped")
-        freed, self._freed = self._freed, []
-        ops, self.replayed = self.replayed, []
         try:
-            self.group.broadcast_object(("execute", [describe(p) for p in passes], ops, freed))
+            self._send(("execute", [describe(p) for p in passes], *self._taken()))
             return super().execute(passes)
         except Exception as e:  # any failure mid-pass leaves the ranks out of step: the group is done
             self.is_closed = self.is_broken = True
             dead = [w.name for w in self.workers if not w.is_alive()]
             why = f"{', '.join(dead)} stopped" if dead else f"a pass failed ({e})"
             raise GroupLost(f"the model's tensor-parallel group cannot go on: {why}") from e
+
+    def report(self) -> list[dict]:
+        """What each other rank holds now (its KV caches and prefix-cache blocks), after applying
+        what rank 0 has sent: a check that they mirror rank 0."""
+        self._send(("report", [], *self._taken()))
+        return [pipe.recv() for pipe in self.pipes]
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the other ranks (they leave their loop and exit; a broken group's are killed)."""
@@ -143,8 +161,8 @@ class TensorParallelRunner(ModelRunner):
             return
         self.is_closed = True
         try:
-            self.group.broadcast_object(("stop", [], [], []))
-        except RuntimeError:  # a rank already gone: nothing to tell it
+            self._send(("stop", [], [], []))
+        except OSError:  # a rank already gone: nothing to tell it
             pass
         for worker in self.workers:
             worker.join(timeout)
@@ -153,15 +171,22 @@ class TensorParallelRunner(ModelRunner):
 
 
 @torch.inference_mode()
-def follow(group: TPGroup, runner: ModelRunner) -> None:
-    """A rank other than 0: run what rank 0 sends until it says stop."""
+def follow(runner: ModelRunner, pipe) -> None:
+    """A rank other than 0: run what rank 0 sends until it says stop (or its pipe closes)."""
     caches: dict[int, KVCache] = {}
     prefix_caches: dict[int, PrefixCache] = {}
     while True:
-        op, payload, replayed, freed = group.broadcast_object()
+        try:
+            op, payload, replayed, freed = pipe.recv()
+        except EOFError:  # rank 0's process is gone
+            return
         replay(replayed, runner, caches, prefix_caches)  # before the frees: a store may read a cache just dropped
         for kv_id in freed:
             caches.pop(kv_id, None)
         if op == "stop":
             return
+        if op == "report":
+            blocks = sum(len(c.blocks) for c in prefix_caches.values())
+            pipe.send({"kv_caches": sorted(caches), "prefix_blocks": blocks})
+            continue
         runner.execute([rebuild(d, runner, caches) for d in payload])

@@ -86,8 +86,7 @@ def _linear(module: nn.Linear, out_features: int | None = None, in_features: int
     module.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta", dtype=dtype),
                                  requires_grad=False)
     if module.bias is not None:
-        size = out_features if out_features != module.out_features else module.bias.shape[0]
-        module.bias = nn.Parameter(torch.empty(size, device="meta", dtype=dtype), requires_grad=False)
+        module.bias = nn.Parameter(torch.empty(out_features, device="meta", dtype=dtype), requires_grad=False)
     module.out_features, module.in_features = out_features, in_features
 
 
@@ -150,9 +149,10 @@ def shard_names(names: dict, shard: Shard, cfg) -> tuple[dict[str, list[Part]], 
         elif ours in ("embed.weight", "lm_head.weight"):
             v0, v1 = shard.vocab
             real = max(0, min(v1, cfg.embedding_size) - v0)
-            out[ours] = [replace(parts[0], rows=(v0, v0 + real), index=(slice(0, real),))] if real else []
-            if not real:
+            if not real:  # a rank whose rows are all padding
                 zeros.add(ours)
+                continue
+            out[ours] = [replace(parts[0], rows=(v0, v0 + real), index=(slice(0, real),))]
         elif local == "mlp.experts":
             e0, e1 = shard.experts
             out[ours] = [replace(p, index=(p.index[0] - e0, *p.index[1:])) for p in parts if e0 <= p.index[0] < e1]

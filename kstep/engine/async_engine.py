@@ -39,6 +39,9 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.is_closing = False
+        # What a fatal error does once every request has its 503: stop the server (kstep serve sets
+        # its own, which exits non-zero; elsewhere, the process is asked to terminate).
+        self.on_fatal: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -107,11 +110,11 @@ class AsyncEngine:
                     self.queues.pop(out.request_id, None)
 
     def _stop_fatally(self, error: Exception) -> None:
-        """Every request ends with a 503 naming `error`, and the server shuts down (it exits by the
-        signal: non-zero), rather than serve a model that can no longer run."""
+        """Every request ends with a 503 naming `error`, and the server shuts down (`on_fatal`), rather
+        than serve a model that can no longer run."""
         log.error("the model cannot run any more: %s; the server stops", error)
         self.end_all(f"the server cannot run this model any more ({error}); it is stopping")
-        os.kill(os.getpid(), signal.SIGTERM)
+        self.on_fatal()
 
     def _fail_running(self, message: str) -> list[RequestOutput]:
         outputs = []

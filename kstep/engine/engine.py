@@ -108,7 +108,8 @@ class Engine:
         """A time-budgeted request that ran alone tells the planner how far its plans scatter here."""
         for request in batch:
             request.ran_alone &= len(batch) == 1
-            if request.is_finished and request.plan is not None and request.ran_alone and request.limit is None:
+            if request.is_finished and request.plan is not None and request.ran_alone and request.limit is None \
+                    and request.num_rows == 1:  # a plan is for one row
                 self.llm.pass_costs.observe_outcome(request.plan.predicted_seconds, request.plan.passes,
                                                     time.monotonic() - request.admitted_time, request.nfe)
 

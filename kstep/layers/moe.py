@@ -160,8 +160,8 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
         hidden = self._swiglu(x[tokens], counts)  # (M, D) in expert order
         weighted = hidden.float() * weights[order, None]
-        out = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device)
-        return out.index_add_(0, tokens, weighted).to(x.dtype)
+        out = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tokens, weighted)
+        return out if self.first is not None else out.to(x.dtype)  # a rank's share: summed over ranks in float32
 
     def _can_group(self, rows: torch.Tensor) -> bool:
         """torch's grouped matmul (a GPU's path: one launch for every expert) wants matching dtypes
@@ -172,6 +172,8 @@ class Experts(nn.Module):
 
     def _swiglu(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows (M, D) sorted by expert, counts (E,) rows per expert -> (M, D)."""
+        if rows.shape[0] == 0:  # expert parallel: no token chose this rank's experts
+            return rows
         if self._can_group(rows):
             ends = counts.cumsum(0).to(torch.int32)
             gate, up = torch._grouped_mm(rows, self.gate_up, offs=ends).chunk(2, dim=-1)
@@ -216,6 +218,6 @@ class SparseMoE(nn.Module):
             out = self.experts(flat, routing)
         if self.shared is not None:
             out = out + self.shared(flat)
-        if self.reduce is not None:  # routed and shared partial outputs: one all-reduce
-            out = self.reduce(out)
+        if self.reduce is not None:  # routed (float32) and shared partial outputs: one all-reduce, then the cast
+            out = self.reduce(out).to(x.dtype)
         return out.view_as(x)

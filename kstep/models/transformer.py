@@ -94,14 +94,13 @@ class Transformer(nn.Module):
         """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped.
         Tensor parallel: every rank's vocabulary slice, gathered on rank 0 (the others get None)."""
         with labelled("kstep.lm_head"):
-            if self.tp is not None:
-                weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+            weight = self.embed.weight if self.lm_head is None else getattr(self.lm_head, "weight", None)
+            if self.tp is not None:  # this rank's rows: the vocabulary is cut after the gather
                 out = self.tp.gather_last_dim(linear(hidden, weight))
                 if out is None:
                     return None
                 out = out[..., : self.cfg.vocab_size]
             elif self.lm_head is None or isinstance(self.lm_head, nn.Linear):
-                weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
                 out = linear(hidden, weight[: self.cfg.vocab_size])
             else:  # a quantized head computes the padded rows too
                 out = self.lm_head(hidden)[..., : self.cfg.vocab_size]

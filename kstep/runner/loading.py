@@ -1,6 +1,5 @@
 """A checkpoint's model runner: the model loaded on one device (quantized if asked), or split over a
 tensor-parallel group of processes (kstep/distributed), whose rank 0 runner is returned."""
-import atexit
 from pathlib import Path
 
 import torch
@@ -25,5 +24,4 @@ def load_runner(path: Path, device: torch.device, dtype: torch.dtype, quantize: 
     if device.type == "cpu":  # rank 0 too: N ranks, one core each
         torch.set_num_threads(threads_per_rank)
     model, runner = load_tensor_parallel(path, device, dtype, tensor_parallel_size, threads_per_rank)
-    atexit.register(runner.close)  # the other ranks leave their loop with the process
     return runner

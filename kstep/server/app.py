@@ -90,6 +90,7 @@ def build_app(models: list[ServedModel], config: ServeConfig) -> FastAPI:
         yield
         for route in routes.by_name.values():
             await route.engine.stop()
+            route.llm.close()  # a tensor-parallel model's other ranks stop with it
 
     app = FastAPI(title="kstep", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)

@@ -96,5 +96,4 @@ def run_serve(args: argparse.Namespace) -> int:
             args.replicas, args.cpus_per_replica, args.ray_address, args.host, args.port,
             30.0 if args.graceful_timeout is None else args.graceful_timeout))
     served = load_served_models(specs, options, announce=f"on http://{args.host}:{args.port}/v1")
-    serve(build_app(served, config), args.host, args.port, args.log_level, args.graceful_timeout or 0.0)
-    return 0
+    return serve(build_app(served, config), args.host, args.port, args.log_level, args.graceful_timeout or 0.0)

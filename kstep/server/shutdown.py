@@ -7,6 +7,7 @@ drain time asked for (`--graceful-timeout`, default none), then ends every one s
 running with a 503 naming the shutdown (a stream: an error event), so uvicorn finds its
 connections finishing and exits at once."""
 import asyncio
+import logging
 import socket
 import time
 
@@ -19,6 +20,10 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, drain_seconds: float = 0.0):
         super().__init__(config)
         self.drain_seconds = drain_seconds
+        self.failed = False  # a model could not run any more: the server stopped itself (exit 1)
+
+    def stop_failed(self) -> None:
+        self.failed = self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         routes = self.config.app.state.routes
@@ -30,7 +35,14 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(app, host: str, port: int, log_level: str, drain_seconds: float) -> None:
-    """Run `app` (build_app's) until a signal stops it."""
+def serve(app, host: str, port: int, log_level: str, drain_seconds: float) -> int:
+    """Run `app` (build_app's) until a signal stops it, or a model that cannot run any more (a lost
+    tensor-parallel rank) does; the exit code: 0, or 1 for the latter."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=FLUSH_SECONDS)
-    Server(config, drain_seconds).run()
+    server = Server(config, drain_seconds)
+    for route in app.state.routes.by_name.values():
+        route.engine.on_fatal = server.stop_failed
+    server.run()
+    if server.failed:
+        logging.getLogger("kstep.engine").error("kstep serve stopped: a model could not run any more")
+    return 1 if server.failed else 0
