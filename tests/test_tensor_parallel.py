@@ -23,6 +23,7 @@ from kstep.distributed.sharding import plan_shard
 from kstep.engine.engine import Engine, StepStats
 from kstep.engine.request import Request
 from kstep.random_checkpoint import random_config, write_random_checkpoint
+from kstep.runner.top_tokens import NUM_STATS
 from kstep.server.metrics import Metrics
 from test_server import client
 
@@ -68,12 +69,16 @@ def test_speculative_decoding_and_one_pass_collectives(checkpoints):
     one, two = kstep.load(path, draft="ngram"), tensor_parallel(path, draft="ngram")
     try:
         assert two.generate(PROMPTS, max_tokens=32)[0].token_ids == one.generate(PROMPTS, max_tokens=32)[0].token_ids
-        counts = two.runner.group.counts
-        counts.clear()
-        two.generate(PROMPTS[0], max_tokens=1, num_draft_tokens=0)  # one pass: the prefill
-        layers = two.cfg.n_layers
-        # two all-reduces per layer (attention, MLP) and the embedding's; the head's one gather; one message
-        assert dict(counts) == {"message": 1, "all_reduce": 2 * layers + 1, "gather": 1}
+        group = two.runner.group
+        for settings, gathered in (({}, NUM_STATS), ({"temperature": 0.5}, two.model.embed.weight.shape[0])):
+            group.counts.clear()
+            group.elements.clear()
+            two.generate(PROMPTS[0], max_tokens=1, num_draft_tokens=0, **settings)  # one pass: the prefill
+            layers = two.cfg.n_layers
+            # two all-reduces per layer (attention, MLP) and the embedding's; the head's one gather; one message
+            assert dict(group.counts) == {"message": 1, "all_reduce": 2 * layers + 1, "gather": 1}
+            # greedy: the last position's vocabulary statistics; sampling: its logits over this rank's vocabulary
+            assert group.elements["gather"] == gathered, settings
     finally:
         two.close()
 
@@ -171,14 +176,16 @@ def test_served_on_two_ranks_batched_equals_alone_and_a_lost_rank_stops_the_serv
     log = tmp_path / "serve.log"
     with running_server(f"ar={checkpoints['qwen2']}", "--model", f"ld={checkpoints['llada']}", "-tp", "2",
                         log=log) as (url, proc):
-        requests = [(m, p) for m in ("ar", "ld") for p in ("def f(x):", "x = [", "class A:", "import os")]
-        alone = [client(url).completions.create(model=m, prompt=p, max_tokens=24, temperature=0).choices[0].text
-                 for m, p in requests]
+        # greedy passes get top tokens, sampled ones logits: a step packs both kinds
+        requests = [(m, p, t) for m in ("ar", "ld") for p, t in (("def f(x):", 0), ("x = [", 0), ("class A:", 0.8),
+                                                                  ("import os", 0))]
+        alone = [client(url).completions.create(model=m, prompt=p, max_tokens=24, temperature=t, seed=3
+                                                ).choices[0].text for m, p, t in requests]
 
         async def together():
             async with httpx.AsyncClient(timeout=60) as h:
                 return await asyncio.gather(*(h.post(url + "/v1/completions", json={
-                    "model": m, "prompt": p, "max_tokens": 24, "temperature": 0}) for m, p in requests))
+                    "model": m, "prompt": p, "max_tokens": 24, "temperature": t, "seed": 3}) for m, p, t in requests))
         assert [r.json()["choices"][0]["text"] for r in asyncio.run(together())] == alone
         answer = {}
 

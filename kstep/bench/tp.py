@@ -1,7 +1,8 @@
 """`kstep bench tp`: one model at a published shape on one rank and on N ranks, on the same cores,
-in one run: the AR decode step and a 32-token block pass (both against `context` cached
-positions), what share of the pass rank 0 spends in collectives, and each rank's memory (its
-parameters, and each process's resident and peak resident memory as the kernel counts them).
+in one run: the AR decode step and a 32-token block pass whose every position is read, with its
+logits gathered or its top tokens merged (all against `context` cached positions), what share of
+the pass rank 0 spends in collectives, and each rank's memory (its parameters, and each process's
+resident and peak resident memory as the kernel counts them).
 
 One rank runs all the cores' threads, then one thread (the work one rank of N does, at N times the
 weights); N ranks run one thread each (what -tp N does on a CPU), so the comparison is the same
@@ -16,8 +17,13 @@ import torch
 
 import kstep
 from kstep.random_checkpoint import write_random_checkpoint
+from kstep.runner.top_tokens import TopRequest
 
 GIB = 1024 ** 3
+# (name, tokens, positions with outputs, top tokens instead of logits): the AR step; a block of 32
+# whose every position is read (a diffusion pass), its logits gathered to rank 0, or its top tokens
+# (the statistics of each rank's vocabulary slice: a greedy decoder's ask)
+PASSES = (("decode_step", 1, 1, True), ("block_pass_32", 32, 32, False), ("block_top_32", 32, 32, True))
 
 
 def checkpoint(root: Path, family: str, shape: str, dtype: torch.dtype) -> Path:
@@ -60,15 +66,19 @@ def measure(path: Path, dtype: torch.dtype, size: int, context: int, repeats: in
         kv = runner.allocate_kv(1, context + 32)
         runner.logits(runner.causal_pass(ids[:, :context], torch.arange(context)[None], None, 0, kv))
 
-        def run(tokens: int):
+        def run(tokens: int, outputs: int, top: bool):
             positions = torch.arange(context, context + tokens)[None]
-            return lambda: runner.logits(runner.causal_pass(ids[:, context:context + tokens], positions, None,
-                                                            context, kv))
+
+            def forward():
+                p = runner.causal_pass(ids[:, context:context + tokens], positions, None, context, kv)
+                p.logits_from, p.top = tokens - outputs, TopRequest() if top else None
+                return runner.execute([p])
+            return forward
         group = getattr(runner, "group", None)
         row = {"ranks": size, "threads_per_rank": torch.get_num_threads()}
-        for name, tokens in (("decode_step", 1), ("block_pass_32", 32)):
+        for name, tokens, outputs, top in PASSES:
             before = sum(group.seconds.values()) if group else 0.0
-            seconds = _timed(run(tokens), repeats)
+            seconds = _timed(run(tokens, outputs, top), repeats)
             waited = (sum(group.seconds.values()) - before) / (repeats + 1) if group else 0.0
             row[f"{name}_ms"] = round(seconds * 1e3, 2)
             row[f"{name}_collective_share"] = round(waited / seconds, 3) if group else 0.0
@@ -84,12 +94,13 @@ def measure(path: Path, dtype: torch.dtype, size: int, context: int, repeats: in
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| model | ranks | decode step ms (in collectives) | block of 32 ms (in collectives) | "
-             "rank 0 weights GiB | resident GiB per process (peak) |", "|---|---:|---:|---:|---:|---|"]
+    lines = ["| model | ranks | decode step ms (in collectives) | block of 32, logits, ms (in collectives) | "
+             "block of 32, top tokens, ms (in collectives) | rank 0 weights GiB | resident GiB per process (peak) |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['ranks']} x {r['threads_per_rank']} thread(s) | {r['decode_step_ms']} "
-                     f"({r['decode_step_collective_share']:.0%}) | {r['block_pass_32_ms']} "
-                     f"({r['block_pass_32_collective_share']:.0%}) | {r['rank0_param_gib']} | "
+        cells = " | ".join(f"{r[f'{name}_ms']} ({r[f'{name}_collective_share']:.0%})" for name, *_ in PASSES)
+        lines.append(f"| {r['model']} | {r['ranks']} x {r['threads_per_rank']} thread(s) | {cells} | "
+                     f"{r['rank0_param_gib']} | "
                      + ", ".join(f"{a} ({b})" for a, b in zip(r["rss_gib"], r["peak_rss_gib"])) + " |")
     return "\n".join(lines)
 

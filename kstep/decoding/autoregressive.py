@@ -9,9 +9,10 @@ import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder
 from kstep.decoding.sampling import constrain_outputs, sample_tokens
+from kstep.decoding.unmask import top_request
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
-from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
+from kstep.runner.model_runner import ForwardPass, ModelRunner, asking, positions_from_padding
 from kstep.runner.prefix_cache import PrefixCache
 
 
@@ -24,6 +25,7 @@ class AutoregressiveDecoder(Decoder):
         stop_ids, pad_id, generator = batch.stop_ids, batch.pad_id, batch.generator
         self.runner, self.params, self.prompts = runner, params, prompts
         self.first_allowed = batch.first_allowed
+        self.top = top_request(params, None, self.first_allowed, is_scored=False)  # greedy: the argmax
         # Prefix caching needs every row to hold the same unpadded prompt (one prompt, n samples).
         same_rows = key_mask is None and bool((prompts == prompts[:1]).all())
         self.prefix_cache = prefix_cache if same_rows else None
@@ -45,7 +47,7 @@ class AutoregressiveDecoder(Decoder):
         self.row_done = [False] * B
 
     def next_passes(self) -> list[ForwardPass]:
-        return [] if self.is_finished else [self._next_pass()]
+        return [] if self.is_finished else asking([self._next_pass()], self.top)
 
     def _next_pass(self) -> ForwardPass:
         if self.num_generated == 0:

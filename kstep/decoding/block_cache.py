@@ -40,7 +40,7 @@ class BlockCacheDecoder(BlockDiffusionDecoder):
         lo = open_columns(block, self.mask_id, sub).float().argmax(-1) // sub * sub
         return lo, block.gather(1, lo[:, None]).squeeze(1) == self.mask_id
 
-    def next_passes(self) -> list[ForwardPass]:
+    def _next_passes(self) -> list[ForwardPass]:
         if self.is_finished:
             return []
         active = (self.phase != DONE)
@@ -53,7 +53,7 @@ class BlockCacheDecoder(BlockDiffusionDecoder):
             self.ran_whole = whole | ((self.phase == COMMIT) & self.fused)
             if self.needs_prefill and not self.fused_prefill:
                 self.ran_whole = torch.zeros_like(whole)
-            return super().next_passes()
+            return super()._next_passes()
         sub, bs, lo = self.params.sub_block_length, self.params.block_length, self.lo
         block_slots = self.pads + self.block_starts  # (B,)
         offsets = torch.arange(sub, device=lo.device)

@@ -32,13 +32,13 @@ import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, final_rows, prefix_step_output
 from kstep.decoding.block_unmask import open_columns, unmask_block
-from kstep.decoding.sampling import constrain_outputs
+from kstep.decoding.sampling import constrain_outputs, exclude_token, sample_tokens
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.token_editing import TokenEditing
-from kstep.decoding.unmask import confidence_rule
+from kstep.decoding.unmask import confidence_rule, top_request
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
-from kstep.runner.model_runner import ForwardPass, ModelRunner
+from kstep.runner.model_runner import ForwardPass, ModelRunner, asking
 from kstep.runner.prefix_cache import PrefixCache
 
 DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase
@@ -66,9 +66,8 @@ class BlockDiffusionDecoder(Decoder):
         self.prompt_width = W
         self.pads = (W - key_mask.sum(-1)) if key_mask is not None else torch.zeros(B, dtype=torch.long, device=device)
         self.prompt_lengths = W - self.pads  # (B,)
-        # Slots = canvas columns: row b's position p sits at slot pads[b] + p; room for the last block
-        # (it may end up to bs - 1 past max_tokens) and the next block's first token.
-        # fused commits may run a scratch block past the last one (for rows not committing)
+        # Slots = canvas columns: row b's position p sits at slot pads[b] + p; room for the last block (it may
+        # end up to bs - 1 past max_tokens), the next block's first token, a fused commit's scratch block.
         self.fused = params.fused_commit and W + N + 2 * bs <= runner.cfg.max_positions
         slots = W + N + (2 if self.fused else 1) * bs
         self.canvas = torch.full((B, slots), self.mask_id, dtype=torch.long, device=device)
@@ -86,16 +85,15 @@ class BlockDiffusionDecoder(Decoder):
         if rules.steps_capped and self.editing is None:  # LLaDA2.0's generate: min(steps, gen_length)
             steps = min(steps or bs, N)
         self.schedule = None if steps is None else num_transfer_tokens(torch.tensor([bs]), steps)[0].to(device)
-        self.rule = confidence_rule(params.remasking)
+        self.rule, self.top = confidence_rule(params.remasking), top_request(params, self.mask_id, self.first_allowed)
         self.needs_prefill = bool((self.prompt_lengths >= bs).any())
         # An unshifted model's prefill also runs every row's first block (block-causal: the prompt's
         # blocks get the same keys), so it is that block's first denoising pass too: one pass fewer.
         self.fused_prefill = self.fused and not rules.is_shifted
         # A prompt's whole blocks do not depend on what follows them (block-causal), so requests with
         # the same prompt share them like an AR prefix: whole cache blocks that are whole model blocks,
-        # one prompt per decoder (unpadded, every row the same).
+        # one prompt per decoder (unpadded, every row the same), at the model's own block size (its keys').
         same_rows = key_mask is None and bool((prompts == prompts[:1]).all())
-        # (The cache holds keys of the model's own block size: a request with another one cannot share.)
         shares = prefix_cache is not None and prefix_cache.block_size % bs == 0 and bs == runner.cfg.block_size
         self.prefix_cache = prefix_cache if same_rows and shares else None
         self.num_cached_tokens = 0
@@ -107,6 +105,9 @@ class BlockDiffusionDecoder(Decoder):
     # --- the passes -------------------------------------------------------------------------------
 
     def next_passes(self) -> list[ForwardPass]:
+        return asking(self._next_passes(), self.top)
+
+    def _next_passes(self) -> list[ForwardPass]:
         if self.is_finished:
             return []
         if self.needs_prefill:
@@ -208,9 +209,8 @@ class BlockDiffusionDecoder(Decoder):
     def _write_first_token(self, last_logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Argmax of `last_logits` (B, V) at `positions` (B,) for `rows`, if within max_tokens."""
         proposal = constrain_outputs(last_logits[:, None], (positions - self.prompt_lengths)[:, None], self.stop_ids,
-                                     self.params.min_tokens, self.first_allowed)[:, 0].clone()
-        proposal[:, self.mask_id] = float("-inf")
-        token = proposal.argmax(-1)
+                                     self.params.min_tokens, self.first_allowed)[:, 0]
+        token = sample_tokens(exclude_token(proposal, self.mask_id), 0)
         in_range = rows & (positions - self.prompt_lengths < self.params.max_tokens)
         slot = (self.pads + positions).clamp(max=self.canvas.shape[1] - 1)
         current = self.canvas.gather(1, slot[:, None]).squeeze(1)

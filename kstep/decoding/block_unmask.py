@@ -10,7 +10,7 @@ tempered, top-k/top-p filtered distribution it was drawn from, as all three refe
 """
 import torch
 
-from kstep.decoding.sampling import sample_tokens
+from kstep.decoding.sampling import exclude_token, sample_tokens
 from kstep.decoding.token_editing import TokenEditing
 from kstep.decoding.unmask import ConfidenceRule, choose_top, sampled_probability
 from kstep.params import GenerationParams
@@ -31,8 +31,7 @@ def unmask_block(block: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, 
     """block (B, bs) ids, logits (B, bs, V) predicting them, `rows` (B,) that step, `count` (B,) the
     schedule's minimum, `editable` (B, bs) what token editing may replace -> (tokens (B, bs),
     chosen (B, bs)): where the block takes `tokens`."""
-    proposal = logits.clone()
-    proposal[..., mask_id] = float("-inf")  # a masked position must become a token
+    proposal = exclude_token(logits, mask_id)  # a masked position must become a token
     tokens = sample_tokens(proposal, params.temperature, generator, params.top_k, params.top_p)  # (B, bs)
     probs = sampled_probability(logits, tokens, params)  # (B, bs)
     confidence = probs if params.remasking == "low_confidence" else rule(logits, tokens, generator).float()

@@ -29,9 +29,10 @@ import torch
 from kstep.decoding.base import prefix_step_output
 from kstep.decoding.masked_diffusion import DiffusionDecoder, fill_after_stop
 from kstep.decoding.sampling import constrain_outputs
-from kstep.decoding.unmask import choose_threshold, choose_top
+from kstep.decoding.unmask import choose_threshold, choose_top, top_request
 from kstep.outputs import StepOutput
-from kstep.runner.model_runner import ForwardPass
+from kstep.runner.model_runner import ForwardPass, asking
+from kstep.runner.top_tokens import TopTokens
 
 DEFAULT_EPS = 1e-3  # DreamGenerationConfig's eps
 
@@ -40,8 +41,12 @@ def dream_scores(logits: torch.Tensor, params, mask_id: int, generator: torch.Ge
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dream's `sample_tokens` on (..., V) logits -> (tokens, confidence): temperature, then top-p, then
     top-k (filtered logits at the dtype's minimum), softmax; argmax at temperature 0 else a sample;
-    confidence the token's probability, or top-1 minus top-2 (`margin`), or negative entropy."""
+    confidence the token's probability, or top-1 minus top-2 (`margin`), or negative entropy (top
+    tokens, at temperature 0 without filters: theirs, in float32 where Dream's are in the logits' dtype)."""
     p = params
+    if isinstance(logits, TopTokens):
+        scores = {"margin": logits.margin, "entropy": logits.neg_entropy}
+        return logits.ids, scores.get(p.remasking, logits.prob)
     if p.temperature > 0:
         logits = logits / p.temperature
     lowest = torch.finfo(logits.dtype).min
@@ -86,6 +91,9 @@ class DreamDecoder(DiffusionDecoder):
         B = self.canvas.shape[0]
         device = self.canvas.device
         self.is_quota = not self.is_block_sampler and p.policy.kind == "threshold"  # confidence_threshold
+        # Dream filters by top-p / top-k before its softmax even at temperature 0: those need the logits
+        self.top = top_request(p, self.mask_id, self.first_allowed) \
+            if p.top_k is None and (p.top_p is None or p.top_p >= 1) else None
         self._start_block(B, device)
 
     def _start_block(self, B: int, device: torch.device) -> None:
@@ -101,15 +109,16 @@ class DreamDecoder(DiffusionDecoder):
         (start, end), L, cache = self.block, self.canvas.shape[1], self.params.cache
         self.columns = (self.canvas[:, start:end] == self.mask_id).any(0).nonzero().squeeze(1)  # (t,)
         if not self.is_block_sampler:
-            return [self.runner.full_pass(self.canvas, self.key_mask, start - 1, end - 1, None, self.columns)]
-        if self.step_idx == 0:
+            forward = self.runner.full_pass(self.canvas, self.key_mask, start - 1, end - 1, None, self.columns)
+        elif self.step_idx == 0:
             self.columns = self.columns[:1] * 0  # only the first column: the pass commits it
-            return [self.runner.full_pass(self.canvas, self.key_mask, start - 1, start, self.kv)]
-        # The block's first column is committed by the block-start pass, so window row k - 1 serves column k.
-        self.columns = self.columns[self.columns > 0]
-        window_end = L if cache == "prefix" else end
-        return [self.runner.window_pass(self.canvas, self.key_mask, start, window_end, L, end - start - 1, self.kv,
-                                        self.columns - 1)]
+            forward = self.runner.full_pass(self.canvas, self.key_mask, start - 1, start, self.kv)
+        else:  # the block's first column is committed by the block-start pass, so window row k - 1 serves column k
+            self.columns = self.columns[self.columns > 0]
+            window_end = L if cache == "prefix" else end
+            forward = self.runner.window_pass(self.canvas, self.key_mask, start, window_end, L, end - start - 1,
+                                              self.kv, self.columns - 1)
+        return asking([forward], self.top)
 
     def update(self, logits: list[torch.Tensor]) -> StepOutput:
         p = self.params

@@ -33,11 +33,11 @@ serving engine.
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, prefix_step_output
-from kstep.decoding.sampling import constrain_outputs, sample_tokens
-from kstep.decoding.unmask import confidence_rule, make_policy
+from kstep.decoding.sampling import constrain_outputs, exclude_token, sample_tokens
+from kstep.decoding.unmask import confidence_rule, make_policy, top_request
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
-from kstep.runner.model_runner import ForwardPass, ModelRunner
+from kstep.runner.model_runner import ForwardPass, ModelRunner, asking
 
 
 def fill_after_stop(completions: torch.Tensor, stop_ids: torch.Tensor, mask_id: int) -> None:
@@ -76,6 +76,8 @@ class DiffusionDecoder(Decoder):
             key_mask = torch.cat([real(key_mask, P), real(None, N), real(batch.suffix_mask, suffixes.shape[1])], 1)
         self.key_mask = key_mask
         self.rule = confidence_rule(p.remasking)
+        # classifier-free guidance mixes two rows' logits: it needs them whole
+        self.top = top_request(p, mask_id, self.first_allowed) if p.cfg_scale == 0 else None
         # Every block starts fully masked, so a fixed schedule is the same for all rows, known on the host.
         self.policy = make_policy(p.policy, p.block_length)
         rows = B * (2 if p.cfg_scale > 0 else 1)
@@ -118,10 +120,12 @@ class DiffusionDecoder(Decoder):
         self.columns = (self.canvas[:, start:end] == self.mask_id).any(0).nonzero().squeeze(1)  # (t,)
         if cache == "none" or self.step_idx == 0:
             self.drawn_over = (L, start + self.columns)  # the references' full pass: every position
-            return [self.runner.full_pass(ids, key_mask, start, end, self.kv, self.columns)]
-        window_end = L if cache == "prefix" else end
-        self.drawn_over = (window_end - start, self.columns)  # their window pass: [start, window_end)
-        return [self.runner.window_pass(ids, key_mask, start, window_end, L, end - start, self.kv, self.columns)]
+            forward = self.runner.full_pass(ids, key_mask, start, end, self.kv, self.columns)
+        else:
+            window_end = L if cache == "prefix" else end
+            self.drawn_over = (window_end - start, self.columns)  # their window pass: [start, window_end)
+            forward = self.runner.window_pass(ids, key_mask, start, window_end, L, end - start, self.kv, self.columns)
+        return asking([forward], self.top)
 
     def update(self, logits: list[torch.Tensor]) -> StepOutput:
         """Apply one step given the logits ((B or 2B), t, V) of the masked block columns asked for."""
@@ -135,10 +139,8 @@ class DiffusionDecoder(Decoder):
         columns = self.columns
         # The mask token is never a candidate (a masked position must become a token); confidence is
         # still scored on the unmodified logits, as the references do.
-        proposal = logits.clone()
-        proposal[..., self.mask_id] = float("-inf")
-        proposal = constrain_outputs(proposal, (start - self.prompt_len + columns)[None], self.stop_ids, p.min_tokens,
-                                     self.first_allowed)
+        proposal = constrain_outputs(exclude_token(logits, self.mask_id), (start - self.prompt_len + columns)[None],
+                                     self.stop_ids, p.min_tokens, self.first_allowed)
         picked = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, t)
         picked_confidence = self.rule(logits, picked, self.generator, self.drawn_over)  # (B, t)
         # Back to the whole block: positions without logits are unmasked already in every row.

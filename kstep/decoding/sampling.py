@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kstep.runner.top_tokens import TopTokens
+
 if TYPE_CHECKING:
     from kstep.params import GenerationParams
 
@@ -31,7 +33,9 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) 
 def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
                   top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
     """(..., V) logits -> (...) token ids. Top-k / top-p select from the tempered distribution
-    softmax(logits / T), as transformers and vLLM do."""
+    softmax(logits / T), as transformers and vLLM do. Top tokens (a greedy pass's): their ids."""
+    if isinstance(logits, TopTokens):
+        return logits.ids
     if top_k is not None or top_p is not None:
         kept = filter_logits(logits / temperature if temperature > 0 else logits, top_k, top_p)
         logits = logits.masked_fill(torch.isinf(kept), float("-inf"))
@@ -40,6 +44,15 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
     shifted = logits.double() - logits.double().amax(-1, keepdim=True)
     noise = torch.rand(shifted.shape, generator=generator, dtype=torch.float64, device=logits.device)
     return (shifted.exp() / (-torch.log(noise)) ** temperature).argmax(-1)
+
+
+def exclude_token(logits: torch.Tensor, token_id: int) -> torch.Tensor:
+    """A copy of logits (..., V) that never picks `token_id` (-inf there); top tokens already exclude it."""
+    if isinstance(logits, TopTokens):
+        return logits
+    logits = logits.clone()
+    logits[..., token_id] = float("-inf")
+    return logits
 
 
 def sampling_probs(logits: torch.Tensor, params: "GenerationParams") -> torch.Tensor:

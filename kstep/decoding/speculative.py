@@ -19,9 +19,10 @@ import torch
 from kstep.decoding.base import DecodeBatch, Decoder
 from kstep.decoding.drafters import NGRAM, ModelDrafter, NgramDrafter
 from kstep.decoding.sampling import constrain_outputs, sample_tokens, sampling_probs
+from kstep.decoding.unmask import top_request
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
-from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
+from kstep.runner.model_runner import ForwardPass, ModelRunner, asking, positions_from_padding
 
 __all__ = ["SpeculativeDecoder", "accept_drafts", "accept_greedy", "sampling_probs"]
 
@@ -48,7 +49,7 @@ def accept_drafts(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts:
 
 def accept_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature 0: keep drafts while they equal the target's argmax; then the target's argmax."""
-    best = target_logits.argmax(-1)  # (B, g+1)
+    best = sample_tokens(target_logits, 0)  # (B, g+1) the argmax (top tokens: their ids)
     num_kept = (drafts == best[:, :-1]).long().cumprod(-1).sum(-1)
     return num_kept, best.gather(1, num_kept[:, None]).squeeze(-1)
 
@@ -65,6 +66,7 @@ class SpeculativeDecoder(Decoder):
         pad_id, generator = batch.pad_id, batch.generator
         self.runner, self.params, self.generator = runner, params, generator
         self.first_allowed = batch.first_allowed
+        self.top = top_request(params, None, self.first_allowed, is_scored=False)  # the target's greedy passes
         self.prompts, self.key_mask, self.pad_id = prompts, key_mask, pad_id
         self.stop_ids = set(stop_ids.tolist()) if not params.ignore_eos else set()
         self.stop_tensor = stop_ids
@@ -105,8 +107,9 @@ class SpeculativeDecoder(Decoder):
         if self.is_finished:
             return []
         if self.phase == "prefill":  # the prompt into both caches; the target's pass picks token 1
-            target = self.runner.causal_pass(self.prompts, self.positions, self.key_mask, 0, self.kv)
-            return [self.drafter.prefill_pass(), target] if isinstance(self.drafter, ModelDrafter) else [target]
+            target = asking([self.runner.causal_pass(self.prompts, self.positions, self.key_mask, 0, self.kv)],
+                            self.top)
+            return [self.drafter.prefill_pass(), *target] if isinstance(self.drafter, ModelDrafter) else target
         if self.phase == "draft":
             return [self.drafter.next_pass()]
         if isinstance(self.drafter, NgramDrafter):
@@ -115,7 +118,7 @@ class SpeculativeDecoder(Decoder):
         g = torch.tensor([len(o) for o in self.out], device=self.prompts.device)
         ids = torch.cat([self._last_committed(), self.drafts], 1)  # (B, g + 1), g <= gamma
         positions = self.positions[:, -1:] + g[:, None] + torch.arange(ids.shape[1], device=ids.device)
-        return [self.runner.ragged_causal_pass(ids, positions, P + g - 1, self.real, self.kv)]
+        return asking([self.runner.ragged_causal_pass(ids, positions, P + g - 1, self.real, self.kv)], self.top)
 
     def update(self, logits: list[torch.Tensor]) -> StepOutput:
         """Prefill: sample the first token from the target's (B, 1, V). A draft pass: the drafter

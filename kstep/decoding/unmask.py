@@ -18,6 +18,7 @@ import torch
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.sampling import sampling_probs
 from kstep.params import REMASKING_RULES, GenerationParams, UnmaskPolicy
+from kstep.runner.top_tokens import TopRequest, TopTokens
 
 # (width, index): the pass's reference draws over `width` positions per row; the scored positions are
 # `index` (t,) among them.
@@ -31,6 +32,8 @@ class ConfidenceRule(Protocol):
 
 def low_confidence(logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None,
                    drawn_over: DrawnOver | None = None) -> torch.Tensor:
+    if isinstance(logits, TopTokens):  # candidates are its ids
+        return logits.prob
     probs = logits.float().softmax(-1)  # (B, T, V)
     return probs.gather(-1, candidates.unsqueeze(-1)).squeeze(-1)  # (B, T)
 
@@ -49,12 +52,16 @@ def random_confidence(logits: torch.Tensor, candidates: torch.Tensor, generator:
 
 def margin(logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None,
            drawn_over: DrawnOver | None = None) -> torch.Tensor:
+    if isinstance(logits, TopTokens):
+        return logits.margin
     top2 = logits.float().softmax(-1).topk(2, dim=-1).values  # (B, T, 2)
     return top2[..., 0] - top2[..., 1]
 
 
 def entropy(logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None,
             drawn_over: DrawnOver | None = None) -> torch.Tensor:
+    if isinstance(logits, TopTokens):
+        return logits.neg_entropy
     logp = logits.float().log_softmax(-1)
     return (logp.exp() * logp).sum(-1)  # negative entropy, (B, T)
 
@@ -66,9 +73,24 @@ UNMASK_RULES: dict[str, ConfidenceRule] = dict(zip(REMASKING_RULES, (low_confide
 def sampled_probability(logits: torch.Tensor, tokens: torch.Tensor, params: GenerationParams) -> torch.Tensor:
     """(B, T) each sampled token's probability under the distribution it was drawn from: softmax(logits)
     at temperature 0, else the tempered, top-k / top-p filtered one (the block-diffusion references'
-    confidence: SDAR's generate.py, Fast-dLLM v2's and LLaDA2's samplers; with top_k 1 it is 1)."""
+    confidence: SDAR's generate.py, Fast-dLLM v2's and LLaDA2's samplers; with top_k 1 it is 1).
+    Top tokens (a greedy pass's): their probability (`tokens` are their ids)."""
+    if isinstance(logits, TopTokens):
+        return logits.prob
     probs = logits.float().softmax(-1) if params.temperature == 0 else sampling_probs(logits, params)
     return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float()
+
+
+def top_request(params: GenerationParams, exclude_id: int | None, first_allowed: torch.Tensor | None,
+                is_scored: bool = True) -> TopRequest | None:
+    """What a pass asks instead of logits when the request is greedy and nothing constrains its
+    outputs (min_tokens and token healing act on logits), so top tokens hold all its rule reads
+    (`is_scored`: the remasking rule's score too); else None."""
+    if params.temperature != 0 or params.min_tokens or first_allowed is not None:
+        return None
+    if not is_scored:
+        return TopRequest(exclude_id)
+    return TopRequest(exclude_id, params.remasking == "margin", params.remasking == "entropy")
 
 
 def confidence_rule(name: str) -> ConfidenceRule:

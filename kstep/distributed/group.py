@@ -5,8 +5,9 @@ Each model's group is its own process group made from a TCP store of its own, ne
 torch.distributed's default group: a process may hold several (a server's models, the tests), and
 the ranks' collectives cannot mix. Only the pass's collectives go through it: rank 0's messages
 between passes go by pipe (runner.py), so an idle group never meets a collective timeout. Every
-collective is counted (`counts`) and timed (`seconds`: what this rank waited, for `kstep bench tp`;
-on CUDA after a synchronize, so it is the collective's time, not its launch)."""
+collective is counted (`counts`; `elements`: what this rank put in) and timed (`seconds`: what this
+rank waited, for `kstep bench tp`; on CUDA after a synchronize, so it is the collective's time, not
+its launch)."""
 import datetime
 import os
 import time
@@ -35,6 +36,7 @@ class TPGroup:
     pg: object                       # a ProcessGroupGloo / ProcessGroupNCCL
     store: object                    # kept alive: the process group talks through it while starting
     counts: Counter = field(default_factory=Counter)
+    elements: Counter = field(default_factory=Counter)
     seconds: Counter = field(default_factory=Counter)
 
     @classmethod
@@ -53,17 +55,18 @@ class TPGroup:
             pg = dist.ProcessGroupGloo(store, rank, size, timeout)
         return cls(rank, size, device, pg, store)
 
-    def _wait(self, work, kind: str) -> None:
+    def _wait(self, work, kind: str, x: torch.Tensor) -> None:
         start = time.perf_counter()
         work.wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.counts[kind] += 1
+        self.elements[kind] += x.numel()
         self.seconds[kind] += time.perf_counter() - start
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place (a row-parallel layer's partial outputs)."""
-        self._wait(self.pg.allreduce([x]), "all_reduce")
+        self._wait(self.pg.allreduce([x]), "all_reduce", x)
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -72,5 +75,5 @@ class TPGroup:
         opts.rootRank = 0
         x = x.contiguous()
         outputs = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == 0 else []
-        self._wait(self.pg.gather(outputs, [x], opts), "gather")
+        self._wait(self.pg.gather(outputs, [x], opts), "gather", x)
         return torch.cat(outputs[0], dim=-1) if self.rank == 0 else None

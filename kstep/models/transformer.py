@@ -90,23 +90,34 @@ class Transformer(nn.Module):
         mine = ((local >= 0) & (local < rows))[:, None]  # (N, 1)
         return self.tp.all_reduce(self.embed(local.clamp(0, rows - 1)) * mine.to(self.embed.weight.dtype))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped.
-        Tensor parallel: every rank's vocabulary slice, gathered on rank 0 (the others get None)."""
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on (..., D) -> this rank's vocabulary columns: all of them (padding cut) on one
+        device; tensor parallel, its slice of the padded vocabulary (`vocab_columns` says which ids,
+        and how many of them are real)."""
         with labelled("kstep.lm_head"):
             weight = self.embed.weight if self.lm_head is None else getattr(self.lm_head, "weight", None)
-            if self.tp is not None:  # this rank's rows: the vocabulary is cut after the gather
-                out = self.tp.gather_last_dim(linear(hidden, weight))
-                if out is None:
-                    return None
-                out = out[..., : self.cfg.vocab_size]
+            if self.tp is not None:
+                out = linear(hidden, weight)
             elif self.lm_head is None or isinstance(self.lm_head, nn.Linear):
                 out = linear(hidden, weight[: self.cfg.vocab_size])
             else:  # a quantized head computes the padded rows too
                 out = self.lm_head(hidden)[..., : self.cfg.vocab_size]
-        if self.cfg.logits_scale != 1.0:
-            out = out * self.cfg.logits_scale
-        return out
+        return out if self.cfg.logits_scale == 1.0 else out * self.cfg.logits_scale
+
+    def vocab_columns(self) -> tuple[int, int]:
+        """(first id, number of real ids) of this rank's `local_logits` columns."""
+        if self.tp is None:
+            return 0, self.cfg.vocab_size
+        return self.vocab_start, max(0, min(self.embed.weight.shape[0], self.cfg.vocab_size - self.vocab_start))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped.
+        Tensor parallel: every rank's vocabulary slice, gathered on rank 0 (the others get None)."""
+        out = self.local_logits(hidden)
+        if self.tp is None:
+            return out
+        out = self.tp.gather_last_dim(out)  # the vocabulary is cut after the gather
+        return None if out is None else out[..., : self.cfg.vocab_size]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
                 caches: list | None = None, cache_start: int = 0) -> torch.Tensor:

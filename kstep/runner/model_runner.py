@@ -13,6 +13,7 @@ import torch
 from kstep.layers.attention import KVCache, Segment
 from kstep.models.transformer import Transformer
 from kstep.runner.prefix_cache import PrefixCache
+from kstep.runner.top_tokens import TopRequest, TopTokens, local_stats, merge
 
 
 def positions_from_padding(key_mask: torch.Tensor) -> torch.Tensor:
@@ -39,6 +40,8 @@ class ForwardPass:
     # (bidirectional over [prefix; canvas]), and a decoder pass's self-conditioning signal (b, T, D).
     mode: str | None = None
     soft_embeds: torch.Tensor | None = None
+    # A greedy rule's ask: top tokens instead of logits, where the runner computes them (top_tokens.py).
+    top: TopRequest | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +54,9 @@ class ModelRunner:
         self.cfg = model.cfg
         self.device = model.embed.weight.device
         self.dtype = model.embed.weight.dtype
+        # Tensor parallel: a pass that asks for top tokens gets them from vocabulary-shard statistics
+        # (one small gather) instead of gathered logits. One device: the logits, bit-equal to the references'.
+        self.computes_top_tokens = getattr(model, "tp", None) is not None
 
     def synchronize(self) -> None:
         """Wait for queued device work (for honest timings on CUDA; a no-op on the CPU)."""
@@ -180,6 +186,8 @@ class ModelRunner:
         wanted = [hidden[s.rows].view(s.batch, s.length, -1)[:, p.logits_from:p.logits_to]
                   for p, s in zip(passes, segments)]  # each (b, t, D)
         wanted = [w if p.logits_columns is None else w[:, p.logits_columns] for p, w in zip(passes, wanted)]
+        if self.computes_top_tokens and any(p.top is not None for p in passes):
+            return self._outputs_with_top_tokens(passes, wanted)
         if len(passes) == 1:
             logits = self.model.logits(wanted[0])
             return [] if logits is None else [logits]  # None: a tensor-parallel rank other than 0
@@ -190,6 +198,29 @@ class ModelRunner:
         sizes = [w.shape[0] * w.shape[1] for w in wanted]
         return [chunk.view(w.shape[0], w.shape[1], logits.shape[-1])  # (a pass may want no logits)
                 for chunk, w in zip(logits.split(sizes), wanted)]
+
+    def _outputs_with_top_tokens(self, passes: list[ForwardPass], wanted: list[torch.Tensor]
+                                 ) -> list[torch.Tensor | TopTokens]:
+        """Per pass, its logits or (where it asks) its top tokens: one LM-head matmul over every
+        pass's rows on this rank's vocabulary slice, then one gather of the logits passes' columns
+        and one of the top-token passes' statistics (rank 0 gets them; the others get [])."""
+        model, group = self.model, getattr(self.model, "tp", None)
+        gather = (lambda x: x) if group is None else group.gather_last_dim
+        local = model.local_logits(torch.cat([w.reshape(-1, w.shape[-1]) for w in wanted]))  # (R, V / N)
+        chunks = local.split([w.shape[0] * w.shape[1] for w in wanted])
+        start, real = model.vocab_columns()
+        asks = [p.top is not None for p in passes]
+        dense = [c for c, asked in zip(chunks, asks) if not asked]
+        logits = gather(torch.cat(dense)) if dense else None  # (rows, V padded)
+        stats = gather(torch.cat([local_stats(c[:, :real], start, p.top)
+                                  for c, p, asked in zip(chunks, passes, asks) if asked]))  # (rows, N * NUM_STATS)
+        if stats is None:
+            return []
+        ranks = 1 if group is None else group.size
+        tops = iter(merge(stats.view(stats.shape[0], ranks, -1)).split([c.shape[0] for c, a in zip(chunks, asks) if a]))
+        logits = iter(() if logits is None else logits[:, :self.cfg.vocab_size].split([c.shape[0] for c in dense]))
+        return [(next(tops) if asked else next(logits)).view(w.shape[0], w.shape[1], -1)
+                for asked, w in zip(asks, wanted)]
 
     def logits(self, forward_pass: ForwardPass) -> torch.Tensor:
         """One pass alone."""
@@ -203,6 +234,13 @@ class ModelRunner:
     def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
         """DiffusionGemma's self-conditioning signal (..., D) from a pass's processed logits (..., V)."""
         return self.model.soft_embedding(logits)
+
+
+def asking(passes: list[ForwardPass], top: TopRequest | None) -> list[ForwardPass]:
+    """The passes, each asking for top tokens instead of logits (`top`; None: the logits)."""
+    for forward in passes:
+        forward.top = top
+    return passes
 
 
 def execute_passes(passes: list[ForwardPass]) -> list[torch.Tensor]:
