@@ -26,6 +26,15 @@ def feed_forward(cfg: ModelConfig, layer_idx: int) -> nn.Module:
     return SparseMoE(cfg.d_model, moe.num_experts, moe.expert_dim, spec, moe.shared_dim, moe.logits_in_float32)
 
 
+def vocab_parallel_embed(embed: nn.Embedding, ids: torch.Tensor, vocab_start: int, tp) -> torch.Tensor:
+    """ids (N,) -> (N, D): this rank's rows of the embedding (from `vocab_start`) for the ids it
+    holds, zeros elsewhere, summed over the ranks of `tp` (exact: one rank adds each row, the rest 0)."""
+    local = ids - vocab_start
+    rows = embed.weight.shape[0]
+    mine = ((local >= 0) & (local < rows))[:, None]  # (N, 1)
+    return tp.all_reduce(embed(local.clamp(0, rows - 1)) * mine.to(embed.weight.dtype))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -84,11 +93,7 @@ class Transformer(nn.Module):
         return self.packed_hidden_states(input_ids.reshape(-1), positions.reshape(-1), [segment]).view(B, T, -1)
 
     def _vocab_parallel_embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the embedding for the ids it holds, zeros elsewhere, summed over ranks."""
-        local = ids - self.vocab_start
-        rows = self.embed.weight.shape[0]
-        mine = ((local >= 0) & (local < rows))[:, None]  # (N, 1)
-        return self.tp.all_reduce(self.embed(local.clamp(0, rows - 1)) * mine.to(self.embed.weight.dtype))
+        return vocab_parallel_embed(self.embed, ids, self.vocab_start, self.tp)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped.
