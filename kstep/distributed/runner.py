@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import fields
 from functools import partial
+from multiprocessing.connection import wait
 
 import torch
 import torch.nn.functional as F
@@ -177,7 +178,9 @@ class TensorParallelRunner(ModelRunner):
             return run()
         except Exception as e:  # any failure mid-pass leaves the ranks out of step: the group is done
             self.is_closed = self.is_broken = True
-            dead = [w.name for w in self.workers if not w.is_alive()]
+            # A killed rank's sockets reset a moment before its process is reaped: wait (at most 1 s) for one to end.
+            ended = set(wait([w.sentinel for w in self.workers], timeout=1.0))
+            dead = [w.name for w in self.workers if w.sentinel in ended or not w.is_alive()]
             why = f"{', '.join(dead)} stopped" if dead else f"a pass failed ({e})"
             raise GroupLost(f"the model's tensor-parallel group cannot go on: {why}") from e
 
