@@ -15,7 +15,8 @@ Row-parallel biases are added once (rank 0 holds them, the others zeros).
 
 The model is built as always (on meta), then `shard_model` gives each sharded parameter its local
 shape before memory is allocated, and `shard_names` turns the family's name map into the slices
-this rank reads, so a rank never holds more than its share plus one tensor."""
+this rank reads, so a rank never holds more than its share plus one tensor. DiffusionGemma, whose
+layers differ, has its own plan on these helpers (sharding_gemma.py)."""
 from dataclasses import dataclass, replace
 
 import torch

@@ -11,6 +11,9 @@ first fraction of the frequencies of the full head dim, the rest not rotating), 
 its float32 tanh soft-cap, and the soft embedding itself, softmax(logits) @ E * sqrt(d_model): the
 [canvas, d_model] signal a request keeps between passes instead of [canvas, vocab] logits.
 The runner owns the caches; the decoder (decoding/uniform_diffusion.py) decides what runs.
+Tensor parallel (`tp` set by kstep/distributed/sharding_gemma.py): the embedding holds this rank's
+vocabulary rows, the head's logits are gathered to rank 0, and the soft embedding is computed from
+each rank's slice of the probabilities (`soft_embedding_share`, driven by the tensor-parallel runner).
 """
 import torch
 import torch.nn.functional as F
@@ -139,12 +142,12 @@ class DiffusionGemma(nn.Module):
         """Tied head on (..., D) -> (..., V) float32, soft-capped: tanh(logits / cap) * cap. Tensor
         parallel: every rank's vocabulary slice gathered on rank 0 (the decoder samples over the whole
         vocabulary there), the padding cut, then capped; the other ranks get None."""
+        if self.tp is not None and hidden.numel() == 0:  # an encoder pass wants no logits: no gather (all ranks know)
+            return hidden.new_empty(*hidden.shape[:-1], self.cfg.vocab_size, dtype=torch.float32) \
+                if self.tp.rank == 0 else None
         with labelled("kstep.lm_head"):
             out = F.linear(hidden, self.embed.weight)  # (..., V), tensor parallel: (..., rows)
             if self.tp is not None:
-                if hidden.numel() == 0:  # an encoder pass wants no logits: no gather (every rank sees it)
-                    return out.new_empty(*hidden.shape[:-1], self.cfg.vocab_size).float() if self.tp.rank == 0 \
-                        else None
                 out = self.tp.gather_last_dim(out)
                 if out is None:
                     return None

@@ -77,7 +77,8 @@ class Transformer(nn.Module):
                              segments: list[Segment]) -> torch.Tensor:
         """Final-norm hidden states (N, D) for the packed tokens input_ids (N,) at positions (N,);
         `segments` say which tokens form which sequence (each attends only within itself)."""
-        x = self.embed(input_ids) if self.tp is None else self._vocab_parallel_embed(input_ids)  # (N, D)
+        x = self.embed(input_ids) if self.tp is None else \
+            vocab_parallel_embed(self.embed, input_ids, self.vocab_start, self.tp)  # (N, D)
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
         cos, sin = self.rotary.tables(positions)  # (N, hd) each
@@ -91,9 +92,6 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         segment = Segment(0, B, T, mask, caches, cache_start, cache_len)
         return self.packed_hidden_states(input_ids.reshape(-1), positions.reshape(-1), [segment]).view(B, T, -1)
-
-    def _vocab_parallel_embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_embed(self.embed, ids, self.vocab_start, self.tp)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """LM head on (..., D) hidden states -> (..., vocab_size); padded embedding rows are dropped.
