@@ -150,12 +150,13 @@ def test_an_idle_group_lives_and_the_other_ranks_free_what_rank_0_frees(checkpoi
         first = two.generate(PROMPTS, max_tokens=8)
         time.sleep(5)
         assert [r.token_ids for r in two.generate(PROMPTS, max_tokens=8)] == [r.token_ids for r in first]
-        assert two.runner.report() == [{"kv_caches": [], "prefix_blocks": 0}]  # both requests' caches gone
+        nothing = {"kv_caches": [], "prefix_blocks": 0, "soft_embeds": []}
+        assert two.runner.report() == [nothing]  # both requests' caches gone
         kept = two.runner.allocate_kv(1, 16)
         two.runner.logits(two.runner.causal_pass(torch.tensor([[5, 6]]), torch.arange(2)[None], None, 0, kept))
-        assert two.runner.report() == [{"kv_caches": [kept.kv_id], "prefix_blocks": 0}]  # alive: kept there too
+        assert two.runner.report() == [{**nothing, "kv_caches": [kept.kv_id]}]  # alive: kept there too
         del kept
-        assert two.runner.report() == [{"kv_caches": [], "prefix_blocks": 0}]
+        assert two.runner.report() == [nothing]
     finally:
         two.close()
 

@@ -1,5 +1,6 @@
 """A tensor-parallel group: its ranks' process group (gloo on the CPU, NCCL on CUDA) and the
-collectives kstep's sharded model runs inside a pass.
+collectives kstep's sharded model runs inside a pass (and between DiffusionGemma's passes, the scatter
+of its self-conditioning probabilities).
 
 Each model's group is its own process group made from a TCP store of its own, never
 torch.distributed's default group: a process may hold several (a server's models, the tests), and
@@ -77,3 +78,12 @@ class TPGroup:
         outputs = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == 0 else []
         self._wait(self.pg.gather(outputs, [x], opts), "gather", x)
         return torch.cat(outputs[0], dim=-1) if self.rank == 0 else None
+
+    def scatter(self, chunks: list[torch.Tensor] | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Rank 0's `chunks` (one per rank, each of `shape`), chunk r to rank r: this rank's (others pass None)."""
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        inputs = [[c.contiguous() for c in chunks]] if self.rank == 0 else []
+        self._wait(self.pg.scatter([out], inputs, opts), "scatter")
+        return out

@@ -10,15 +10,18 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from kstep.distributed import sharding, sharding_gemma
 from kstep.distributed.group import TPGroup, make_store
 from kstep.distributed.runner import TensorParallelRunner, follow
-from kstep.distributed.sharding import plan_shard, shard_model, shard_names
 from kstep.models import Transformer
+from kstep.models.diffusion_gemma_model import DiffusionGemma
 from kstep.registry import FAMILIES
 from kstep.runner.model_runner import ModelRunner
 from kstep.weights import build_model, load_weights, read_model_config
 
 READY_SECONDS = 600  # for every rank to load its share
+# How each network is split (a module with plan_shard, shard_model, shard_names); None: the Transformer.
+SCHEMES = {None: sharding, DiffusionGemma: sharding_gemma}
 
 
 def check_size(size: int, device: torch.device) -> None:
@@ -37,17 +40,17 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
-def load_shard(path, device: torch.device, dtype: torch.dtype, group: TPGroup) -> Transformer:
+def load_shard(path, device: torch.device, dtype: torch.dtype, group: TPGroup) -> Transformer | DiffusionGemma:
     """This rank's share of the checkpoint at `path`: built at its local shapes, then only its
     slices read (peak memory: the share plus one tensor being copied)."""
     cfg = read_model_config(path)
-    family = FAMILIES[cfg.family]
-    shard = plan_shard(cfg, group.rank, group.size)
-    model = build_model(cfg, device, dtype, reshape=lambda m: shard_model(m, shard, group))
+    family, scheme = FAMILIES[cfg.family], scheme_of(cfg)
+    shard = scheme.plan_shard(cfg, group.rank, group.size)
+    model = build_model(cfg, device, dtype, reshape=lambda m: scheme.shard_model(m, shard, group))
     with torch.no_grad():
         for p in model.parameters():  # padded vocabulary rows and other ranks' biases stay zero
             p.zero_()
-    names, zeros = shard_names(family.layout.checkpoint_names(cfg), shard, cfg)
+    names, zeros = scheme.shard_names(family.layout.checkpoint_names(cfg), shard, cfg)
     load_weights(model, path, names, zeros)
     model.fuse_projections()
     return model
@@ -69,15 +72,21 @@ def _rank_main(rank: int, size: int, port: int, path: str, device: str, dtype: t
         print(f"kstep rank {rank}: stopping: {e}", file=sys.stderr, flush=True)
 
 
+def scheme_of(cfg):
+    """The module that splits this config's network (SCHEMES), or a ValueError for one it does not know."""
+    network = FAMILIES[cfg.family].network
+    if network not in SCHEMES:
+        raise ValueError(f"tensor parallel does not run {cfg.family} yet (its own network): use tensor_parallel_size 1")
+    return SCHEMES[network]
+
+
 def check_supported(cfg, size: int) -> None:
     """A model tensor parallel runs at this size (before any rank starts), or a ValueError saying why."""
-    if FAMILIES[cfg.family].network is not None:
-        raise ValueError(f"tensor parallel does not run {cfg.family} yet (its own network): use tensor_parallel_size 1")
-    plan_shard(cfg, 0, size)
+    scheme_of(cfg).plan_shard(cfg, 0, size)
 
 
 def load_tensor_parallel(path, device: torch.device, dtype: torch.dtype, size: int,
-                         threads: int = 1) -> tuple[Transformer, TensorParallelRunner]:
+                         threads: int = 1) -> tuple[Transformer | DiffusionGemma, TensorParallelRunner]:
     """Start ranks 1..size-1, load rank 0's share here; (rank 0's model, its runner)."""
     check_size(size, device)
     check_supported(read_model_config(path), size)

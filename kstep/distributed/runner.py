@@ -6,15 +6,23 @@ masks, cache windows; one message per step, by pipe) before running it; every ra
 packed pass over its share of the weights, meeting at the layers' collectives, and rank 0 alone
 gets the logits. KV caches live on every rank (each its heads): rank 0's handle carries an id the
 others know theirs by; a cache rank 0 drops is dropped everywhere with the next step's message.
+DiffusionGemma's self-conditioning signal is kept the same way: rank 0's `soft_embedding` sends each
+rank its vocabulary slice of the probabilities (one scatter), every rank multiplies it by its
+embedding rows and one all-reduce sums them (vLLM PR #46177: the embedding is never gathered), so
+every rank holds the (b, L, D) result; the next pass names it by the id rank 0's tensor carries.
 A prefix cache is mirrored the same way: every load and store rank 0's makes is replayed by each
 rank on its own cache and KV before the next pass, so all ranks' caches hold the same blocks (the
 same operations in the same order: the same LRU choices)."""
 import itertools
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import fields
+from functools import partial
+from multiprocessing.connection import wait
 
 import torch
+import torch.nn.functional as F
 
 from kstep.distributed.group import TPGroup
 from kstep.layers.attention import KVCache
@@ -42,9 +50,12 @@ def _to(value, device: torch.device):
 
 
 def describe(p: ForwardPass) -> dict:
-    """What the other ranks need to run `p` (tensors on the CPU: each rank has its own device)."""
-    out = {name: _to(getattr(p, name), torch.device("cpu")) for name in PASS_FIELDS}
+    """What the other ranks need to run `p` (tensors on the CPU: each rank has its own device; a soft
+    embedding they hold goes by its id)."""
+    cpu, soft = torch.device("cpu"), p.soft_embeds
+    out = {name: _to(getattr(p, name), cpu) for name in PASS_FIELDS if name != "soft_embeds"}
     out["kv"] = None if p.kv is None else (p.kv.kv_id, p.kv.batch, p.kv.length)
+    out["soft_embeds"] = soft.soft_id if hasattr(soft, "soft_id") else _to(soft, cpu)
     return out
 
 
@@ -58,9 +69,11 @@ def _local_kv(described, runner: ModelRunner, caches: dict[int, KVCache]) -> KVC
     return caches[kv_id]
 
 
-def rebuild(d: dict, runner: ModelRunner, caches: dict[int, KVCache]) -> ForwardPass:
-    """A described pass on this rank: its tensors on this device, its KV cache this rank's."""
-    values = {name: _to(d[name], runner.device) for name in PASS_FIELDS}
+def rebuild(d: dict, runner: ModelRunner, caches: dict[int, KVCache], softs: dict[int, torch.Tensor]) -> ForwardPass:
+    """A described pass on this rank: its tensors on this device, its KV cache and soft embedding this rank's."""
+    values = {name: _to(d[name], runner.device) for name in PASS_FIELDS if name != "soft_embeds"}
+    soft = d["soft_embeds"]
+    values["soft_embeds"] = softs[soft] if isinstance(soft, int) else _to(soft, runner.device)
     return ForwardPass(runner=runner, kv=_local_kv(d["kv"], runner, caches), **values)
 
 
@@ -103,7 +116,7 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(model)
         self.group, self.workers, self.pipes = group, workers, pipes
         self._ids = itertools.count()
-        self._freed: deque[int] = deque()  # one deque for good: finalizers of every cache append to it
+        self._freed: deque[int] = deque()  # one deque for good: finalizers of every cache and soft embedding append
         self.replayed: list[tuple] = []  # prefix-cache operations since the last message
         self.is_closed = self.is_broken = False
 
@@ -134,21 +147,46 @@ class TensorParallelRunner(ModelRunner):
         return ops, [self._freed.popleft() for _ in range(len(self._freed))]
 
     def execute(self, passes: list[ForwardPass]) -> list[torch.Tensor]:
+        return self._mirrored("execute", [describe(p) for p in passes], partial(super().execute, passes))
+
+    @torch.inference_mode()
+    def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) processed logits -> (..., D), vocabulary-parallel (module note): the probabilities
+        computed here as the dense model does, each rank's slice of them scattered."""
+        model, size = self.model, self.group.size
+        probs = model.soft_probs(logits)  # (..., V) in the model dtype
+        rows, lead = model.embed.weight.shape[0], tuple(probs.shape[:-1])
+        padded = F.pad(probs, (0, rows * size - probs.shape[-1]))  # (..., rows * N): padding rows weigh 0
+        soft_id = next(self._ids)
+
+        def share() -> torch.Tensor:
+            return model.soft_embedding_share(self.group.scatter(list(padded.split(rows, dim=-1)), (*lead, rows),
+                                                                 probs.dtype))  # (..., D)
+        soft = self._mirrored("soft_embedding", (soft_id, lead), share)
+        soft.soft_id = soft_id  # the other ranks' copy of it, for the next pass's description
+        weakref.finalize(soft, self._freed.append, soft_id)
+        return soft
+
+    def _mirrored(self, op: str, payload, run: Callable[[], object]):
+        """Send the other ranks `op` (with what rank 0 freed and replayed since the last message), then
+        run rank 0's part of it; any failure breaks the group."""
         if self.is_closed:
             raise (GroupLost if self.is_broken else RuntimeError)("the tensor-parallel group of this model has "
                                                                   "stopped")
         try:
-            self._send(("execute", [describe(p) for p in passes], *self._taken()))
-            return super().execute(passes)
+            self._send((op, payload, *self._taken()))
+            return run()
         except Exception as e:  # any failure mid-pass leaves the ranks out of step: the group is done
             self.is_closed = self.is_broken = True
-            dead = [w.name for w in self.workers if not w.is_alive()]
+            # A killed rank's sockets reset a moment before its process is reaped: wait (at most 1 s) for one to end.
+            ended = set(wait([w.sentinel for w in self.workers], timeout=1.0))
+            dead = [w.name for w in self.workers if w.sentinel in ended or not w.is_alive()]
             why = f"{', '.join(dead)} stopped" if dead else f"a pass failed ({e})"
             raise GroupLost(f"the model's tensor-parallel group cannot go on: {why}") from e
 
     def report(self) -> list[dict]:
-        """What each other rank holds now (its KV caches and prefix-cache blocks), after applying
-        what rank 0 has sent: a check that they mirror rank 0."""
+        """What each other rank holds now (its KV caches, prefix-cache blocks and soft embeddings),
+        after applying what rank 0 has sent: a check that they mirror rank 0."""
         self._send(("report", [], *self._taken()))
         return [pipe.recv() for pipe in self.pipes]
 
@@ -175,18 +213,26 @@ def follow(runner: ModelRunner, pipe) -> None:
     """A rank other than 0: run what rank 0 sends until it says stop (or its pipe closes)."""
     caches: dict[int, KVCache] = {}
     prefix_caches: dict[int, PrefixCache] = {}
+    softs: dict[int, torch.Tensor] = {}  # DiffusionGemma's soft embeddings, by rank 0's id
     while True:
         try:
             op, payload, replayed, freed = pipe.recv()
         except EOFError:  # rank 0's process is gone
             return
         replay(replayed, runner, caches, prefix_caches)  # before the frees: a store may read a cache just dropped
-        for kv_id in freed:
-            caches.pop(kv_id, None)
+        for kept_id in freed:  # a KV cache's or a soft embedding's (one id space)
+            caches.pop(kept_id, None)
+            softs.pop(kept_id, None)
         if op == "stop":
             return
         if op == "report":
             blocks = sum(len(c.blocks) for c in prefix_caches.values())
-            pipe.send({"kv_caches": sorted(caches), "prefix_blocks": blocks})
+            pipe.send({"kv_caches": sorted(caches), "prefix_blocks": blocks, "soft_embeds": sorted(softs)})
             continue
-        runner.execute([rebuild(d, runner, caches) for d in payload])
+        if op == "soft_embedding":  # rank 0's soft_embedding, this rank's part
+            soft_id, lead = payload
+            model = runner.model
+            share = model.tp.scatter(None, (*lead, model.embed.weight.shape[0]), runner.dtype)  # (..., rows)
+            softs[soft_id] = model.soft_embedding_share(share)  # (..., D)
+            continue
+        runner.execute([rebuild(d, runner, caches, softs) for d in payload])

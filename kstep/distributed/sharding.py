@@ -15,7 +15,8 @@ Row-parallel biases are added once (rank 0 holds them, the others zeros).
 
 The model is built as always (on meta), then `shard_model` gives each sharded parameter its local
 shape before memory is allocated, and `shard_names` turns the family's name map into the slices
-this rank reads, so a rank never holds more than its share plus one tensor."""
+this rank reads, so a rank never holds more than its share plus one tensor. DiffusionGemma, whose
+layers differ, has its own plan on these helpers (sharding_gemma.py)."""
 from dataclasses import dataclass, replace
 
 import torch
@@ -51,35 +52,40 @@ class Shard:
         return (*(self.shared if ".shared." in module else self.ffn), 1)
 
 
-def _split(total: int, size: int, rank: int, what: str, unit: str) -> tuple[int, int]:
+def split(total: int, size: int, rank: int, what: str, unit: str) -> tuple[int, int]:
     if total % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the {total} {unit} of {what}")
     share = total // size
     return rank * share, (rank + 1) * share
 
 
+def kv_span(n_heads: int, n_kv_heads: int, heads: tuple[int, int], size: int, rank: int,
+            what: str = "the model's") -> tuple[int, int]:
+    """The key/value heads of the rank holding query `heads`: split, or replicated when fewer than
+    the ranks (the one this rank's query heads share); a ValueError when neither divides the other."""
+    if n_kv_heads % size == 0:
+        return split(n_kv_heads, size, rank, "the model", "key/value heads")
+    if size % n_kv_heads == 0:
+        group = n_heads // n_kv_heads
+        return heads[0] // group, heads[0] // group + 1
+    raise ValueError(f"tensor_parallel_size {size} and {what} {n_kv_heads} key/value heads: one must divide the other")
+
+
 def plan_shard(cfg, rank: int, size: int) -> Shard:
     """This rank's share of a model of config `cfg` (raises ValueError naming the numbers)."""
-    heads = _split(cfg.n_heads, size, rank, "the model", "attention heads")
-    if cfg.n_kv_heads % size == 0:
-        kv = _split(cfg.n_kv_heads, size, rank, "the model", "key/value heads")
-    elif size % cfg.n_kv_heads == 0:  # replicated: this rank's query heads share one key/value head
-        group = cfg.n_heads // cfg.n_kv_heads
-        kv = (heads[0] // group, heads[0] // group + 1)
-    else:
-        raise ValueError(f"tensor_parallel_size {size} and the model's {cfg.n_kv_heads} key/value heads: one "
-                         "must divide the other")
+    heads = split(cfg.n_heads, size, rank, "the model", "attention heads")
+    kv = kv_span(cfg.n_heads, cfg.n_kv_heads, heads, size, rank)
     moe = cfg.moe
     dense = any(moe is None or not moe.is_sparse(i) for i in range(cfg.n_layers))
-    ffn = _split(cfg.ffn_dim, size, rank, "the MLP", "hidden units") if dense else (0, 0)
-    experts = _split(moe.num_experts, size, rank, "the MoE layers", "experts") if moe else (0, 0)
-    shared = _split(moe.shared_dim, size, rank, "the shared experts", "hidden units") if moe and moe.shared_dim \
+    ffn = split(cfg.ffn_dim, size, rank, "the MLP", "hidden units") if dense else (0, 0)
+    experts = split(moe.num_experts, size, rank, "the MoE layers", "experts") if moe else (0, 0)
+    shared = split(moe.shared_dim, size, rank, "the shared experts", "hidden units") if moe and moe.shared_dim \
         else (0, 0)
     rows = -(-cfg.embedding_size // size)  # the vocabulary padded to a multiple of the ranks
     return Shard(rank, size, heads, kv, ffn, shared, experts, (rank * rows, (rank + 1) * rows), cfg.head_dim)
 
 
-def _linear(module: nn.Linear, out_features: int | None = None, in_features: int | None = None) -> None:
+def resize_linear(module: nn.Linear, out_features: int | None = None, in_features: int | None = None) -> None:
     """Give a (meta) nn.Linear its local shape."""
     out_features, in_features = out_features or module.out_features, in_features or module.in_features
     dtype = module.weight.dtype
@@ -98,34 +104,40 @@ def shard_model(model: nn.Module, shard: Shard, group) -> None:
     model.embed.weight = nn.Parameter(torch.empty(rows, cfg.d_model, device="meta", dtype=model.embed.weight.dtype),
                                       requires_grad=False)
     if model.lm_head is not None:
-        _linear(model.lm_head, out_features=rows)
+        resize_linear(model.lm_head, out_features=rows)
     model.tp, model.vocab_start = group, shard.vocab[0]
     for layer in model.layers:
         attn = layer.attn
-        _linear(attn.q_proj, out_features=heads * hd)
-        _linear(attn.k_proj, out_features=kv * hd)
-        _linear(attn.v_proj, out_features=kv * hd)
-        _linear(attn.o_proj, in_features=heads * hd)
+        resize_linear(attn.q_proj, out_features=heads * hd)
+        resize_linear(attn.k_proj, out_features=kv * hd)
+        resize_linear(attn.v_proj, out_features=kv * hd)
+        resize_linear(attn.o_proj, in_features=heads * hd)
         attn.n_heads, attn.n_kv_heads, attn.reduce = heads, kv, group.all_reduce
         mlp = layer.mlp
         if hasattr(mlp, "experts"):  # SparseMoE: whole experts here, the shared ones split
-            e0, e1 = shard.experts
-            mlp.experts.gate_up = nn.Parameter(mlp.experts.gate_up[e0:e1].clone(), requires_grad=False)
-            mlp.experts.down = nn.Parameter(mlp.experts.down[e0:e1].clone(), requires_grad=False)
-            mlp.experts.num_experts, mlp.experts.first = e1 - e0, e0
-            mlp.experts.rank_load = torch.zeros(shard.size, dtype=torch.long)  # moved to the device with the model
+            shard_experts(mlp.experts, shard)
             mlp.reduce = group.all_reduce
             if mlp.shared is not None:
-                _shard_mlp(mlp.shared, shard.shared[1] - shard.shared[0])
+                shard_mlp(mlp.shared, shard.shared[1] - shard.shared[0])
             continue
-        _shard_mlp(mlp, shard.ffn[1] - shard.ffn[0])
+        shard_mlp(mlp, shard.ffn[1] - shard.ffn[0])
         mlp.reduce = group.all_reduce
 
 
-def _shard_mlp(mlp: nn.Module, hidden: int) -> None:
-    _linear(mlp.gate_proj, out_features=hidden)
-    _linear(mlp.up_proj, out_features=hidden)
-    _linear(mlp.down_proj, in_features=hidden)
+def shard_experts(experts: nn.Module, shard) -> None:
+    """Keep the (meta) Experts of `shard.experts` only, and count each rank's (token, expert) pairs."""
+    e0, e1 = shard.experts
+    experts.gate_up = nn.Parameter(experts.gate_up[e0:e1].clone(), requires_grad=False)
+    experts.down = nn.Parameter(experts.down[e0:e1].clone(), requires_grad=False)
+    experts.num_experts, experts.first = e1 - e0, e0
+    experts.rank_load = torch.zeros(shard.size, dtype=torch.long)  # moved to the device with the model
+
+
+def shard_mlp(mlp: nn.Module, hidden: int) -> None:
+    """A gated MLP's gate/up column-parallel and down row-parallel, `hidden` units here."""
+    resize_linear(mlp.gate_proj, out_features=hidden)
+    resize_linear(mlp.up_proj, out_features=hidden)
+    resize_linear(mlp.down_proj, in_features=hidden)
 
 
 def shard_names(names: dict, shard: Shard, cfg) -> tuple[dict[str, list[Part]], set[str]]:
@@ -145,14 +157,12 @@ def shard_names(names: dict, shard: Shard, cfg) -> tuple[dict[str, list[Part]], 
             out[ours] = [replace(p, cols=(start * unit, end * unit)) for p in parts]
         elif local in COLUMN:
             start, end, unit = shard.span(local)
-            out[ours] = [_narrow_rows(p, start * unit, end * unit) for p in parts]
+            out[ours] = [narrow_rows(p, start * unit, end * unit) for p in parts]
         elif ours in ("embed.weight", "lm_head.weight"):
-            v0, v1 = shard.vocab
-            real = max(0, min(v1, cfg.embedding_size) - v0)
-            if not real:  # a rank whose rows are all padding
+            if (part := vocab_part(parts[0], shard.vocab, cfg.embedding_size)) is None:
                 zeros.add(ours)
                 continue
-            out[ours] = [replace(parts[0], rows=(v0, v0 + real), index=(slice(0, real),))]
+            out[ours] = [part]
         elif local == "mlp.experts":
             e0, e1 = shard.experts
             out[ours] = [replace(p, index=(p.index[0] - e0, *p.index[1:])) for p in parts if e0 <= p.index[0] < e1]
@@ -161,7 +171,15 @@ def shard_names(names: dict, shard: Shard, cfg) -> tuple[dict[str, list[Part]], 
     return out, zeros
 
 
-def _narrow_rows(part: Part, start: int, end: int) -> Part:
+def vocab_part(part: Part, vocab: tuple[int, int], embedding_size: int) -> Part | None:
+    """An embedding's rows `vocab` of the padded vocabulary: the real ones read into the first rows;
+    None for a rank whose rows are all padding (left zero)."""
+    v0, v1 = vocab
+    real = max(0, min(v1, embedding_size) - v0)
+    return replace(part, rows=(v0, v0 + real), index=(slice(0, real),)) if real else None
+
+
+def narrow_rows(part: Part, start: int, end: int) -> Part:
     """A part's rows [start, end) of what it held (a fused tensor's rows are offset by its own)."""
     base = part.rows[0] if part.rows else 0
     return replace(part, rows=(base + start, base + end))

@@ -15,6 +15,7 @@ its full layers attend to the whole prefix and the canvas. A decoder pass writes
 cache slots the canvas will occupy once committed, as scratch: the commit's encoder pass overwrites
 them before anything reads them as prefix.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
         self.q_norm = Norm(head_dim, eps)
         self.k_norm = Norm(head_dim, eps)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum the ranks' heads
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment],
                 views: list[KeyView], layer_idx: int) -> torch.Tensor:
@@ -112,7 +114,8 @@ class Attention(nn.Module):
         v = rms(raw_k if self.v_proj is None else self.v_proj(x).view(N, Hkv, hd), None, self.eps)
         with labelled("kstep.attention"):
             outs = [self._attend(q, k, v, seg, view, layer_idx) for seg, view in zip(segments, views)]
-        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+        out = self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))  # (N, D)
+        return out if self.reduce is None else self.reduce(out)  # the sum before post_attn_norm: a norm is not linear
 
     def _attend(self, q, k, v, seg: Segment, view: KeyView, layer_idx: int) -> torch.Tensor:
         b, T = seg.batch, seg.length
@@ -165,6 +168,8 @@ class Layer(nn.Module):
         self.post_ffn_norm = Norm(d_model, eps)
         self.scalars = nn.Parameter(torch.ones(2, 1))
         self.keep_routing = False  # benchmarks: keep the latest pass's expert choices
+        # Expert parallel: sum the ranks' expert shares (float32) before post_moe_norm, then cast.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.last_routing: Routing | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment],
@@ -176,7 +181,10 @@ class Layer(nn.Module):
             routing = self.router(x)
             if self.keep_routing:
                 self.last_routing = routing
-            sparse = self.post_moe_norm(self.experts(self.moe_norm(x), routing))
+            routed = self.experts(self.moe_norm(x), routing)  # (N, D); a rank's share: float32
+            if self.reduce is not None:
+                routed = self.reduce(routed).to(x.dtype)
+            sparse = self.post_moe_norm(routed)
         x = x + self.post_ffn_norm(dense + sparse)
         return (x.float() * self.scalars[modes]).to(x.dtype)  # (N, 1) per token: its mode's scalar
 

@@ -11,6 +11,9 @@ first fraction of the frequencies of the full head dim, the rest not rotating), 
 its float32 tanh soft-cap, and the soft embedding itself, softmax(logits) @ E * sqrt(d_model): the
 [canvas, d_model] signal a request keeps between passes instead of [canvas, vocab] logits.
 The runner owns the caches; the decoder (decoding/uniform_diffusion.py) decides what runs.
+Tensor parallel (`tp` set by kstep/distributed/sharding_gemma.py): the embedding holds this rank's
+vocabulary rows, the head's logits are gathered to rank 0, and the soft embedding is computed from
+each rank's slice of the probabilities (`soft_embedding_share`, driven by the tensor-parallel runner).
 """
 import torch
 import torch.nn.functional as F
@@ -22,6 +25,7 @@ from kstep.layers.mlp import SwiGLU
 from kstep.models.diffusion_gemma import DiffusionGemmaConfig
 from kstep.models.diffusion_gemma_layers import (ACTIVATIONS, DECODER, ENCODER, FULL, SLIDING, Layer, Norm,
                                                  allocate_layer_kv, key_views, rms)
+from kstep.models.transformer import vocab_parallel_embed
 
 
 def inv_freq(head_dim: int, theta: float, fraction: float, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -46,6 +50,8 @@ class DiffusionGemma(nn.Module):
             for kind, hd, kv in zip(cfg.layer_types, cfg.layer_head_dims, cfg.layer_kv_heads))
         self.norm = Norm(cfg.d_model, cfg.norm_eps)
         self.reset_rotary(self.embed.weight.device)
+        # Tensor parallel (kstep/distributed/sharding_gemma.py): the group, and the first vocabulary row here.
+        self.tp, self.vocab_start = None, 0
 
     def reset_rotary(self, device: torch.device | str) -> None:
         """(Re)build the float32 inverse frequencies of each layer kind on `device`."""
@@ -66,27 +72,37 @@ class DiffusionGemma(nn.Module):
             layer.experts.fuse()
 
     def allocate_kv(self, batch: int, length: int) -> KVCache:
-        """One sequence's cache, each layer in its own geometry; every slot is kept (a sliding layer
-        reads only the window of it)."""
+        """One sequence's cache, each layer in its own geometry (tensor parallel: this rank's key/value
+        heads); every slot is kept (a sliding layer reads only the window of it)."""
         w = self.embed.weight
-        return allocate_layer_kv(batch, length, list(self.cfg.layer_kv_heads), list(self.cfg.layer_head_dims),
-                                 w.device, w.dtype)
+        return allocate_layer_kv(batch, length, [layer.attn.n_kv_heads for layer in self.layers],
+                                 list(self.cfg.layer_head_dims), w.device, w.dtype)
 
     def _embed_scale(self) -> float:
         """sqrt(d_model) rounded to the weight dtype first, as the reference's (53.0, not 53.07, in bf16)."""
         return float(torch.tensor(self.cfg.d_model ** 0.5).to(self.embed.weight.dtype))
 
+    def soft_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) processed logits -> (..., V) probabilities in the model dtype, from the logits
+        rounded to it (as the reference stores them between passes)."""
+        dtype = self.embed.weight.dtype
+        return F.softmax(logits.to(dtype), dim=-1, dtype=torch.float32).to(dtype)
+
     def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
-        """(..., V) processed logits -> (..., D): the next pass's self-conditioning signal, from the
-        logits rounded to the model dtype (as the reference stores them between passes)."""
-        w = self.embed.weight
-        probs = F.softmax(logits.to(w.dtype), dim=-1, dtype=torch.float32).to(w.dtype)
-        return (probs @ w) * self._embed_scale()
+        """(..., V) processed logits -> (..., D): the next pass's self-conditioning signal."""
+        return (self.soft_probs(logits) @ self.embed.weight) * self._embed_scale()
+
+    def soft_embedding_share(self, probs: torch.Tensor) -> torch.Tensor:
+        """Tensor parallel: (..., rows) this rank's vocabulary slice of soft_probs -> (..., D), the
+        slice times this rank's embedding rows summed over the ranks (vLLM PR #46177: the embedding
+        is never gathered), scaled."""
+        return self.tp.all_reduce(probs @ self.embed.weight) * self._embed_scale()
 
     def _inputs(self, ids: torch.Tensor, segments: list[Segment], modes: list[str],
                 soft_embeds: list[torch.Tensor | None]) -> torch.Tensor:
         """(N, D) layer-0 input: the scaled embedding (encoder), or the canvas's self-conditioned one (decoder)."""
-        x = self.embed(ids) * self._embed_scale()  # (N, D)
+        x = self.embed(ids) if self.tp is None else vocab_parallel_embed(self.embed, ids, self.vocab_start, self.tp)
+        x = x * self._embed_scale()  # (N, D)
         if DECODER not in modes:
             return x
         parts = []
@@ -122,10 +138,21 @@ class DiffusionGemma(nn.Module):
             x = layer(x, cos, sin, segments, [v[kind] for v in views], i, token_modes)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied head on (..., D) -> (..., V) float32, soft-capped: tanh(logits / cap) * cap."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Tied head on (..., D) -> (..., V) float32, soft-capped: tanh(logits / cap) * cap. Tensor
+        parallel: every rank's vocabulary slice gathered on rank 0 (the decoder samples over the whole
+        vocabulary there), the padding cut, then capped; the other ranks get None."""
+        if self.tp is not None and hidden.numel() == 0:  # an encoder pass wants no logits: no gather (all ranks know)
+            return hidden.new_empty(*hidden.shape[:-1], self.cfg.vocab_size, dtype=torch.float32) \
+                if self.tp.rank == 0 else None
         with labelled("kstep.lm_head"):
-            out = F.linear(hidden, self.embed.weight).float()
+            out = F.linear(hidden, self.embed.weight)  # (..., V), tensor parallel: (..., rows)
+            if self.tp is not None:
+                out = self.tp.gather_last_dim(out)
+                if out is None:
+                    return None
+                out = out[..., :self.cfg.vocab_size]
+            out = out.float()
         cap = self.cfg.softcap
         return out if cap is None else torch.tanh(out / cap) * cap
 

@@ -26,6 +26,15 @@ def feed_forward(cfg: ModelConfig, layer_idx: int) -> nn.Module:
     return SparseMoE(cfg.d_model, moe.num_experts, moe.expert_dim, spec, moe.shared_dim, moe.logits_in_float32)
 
 
+def vocab_parallel_embed(embed: nn.Embedding, ids: torch.Tensor, vocab_start: int, tp) -> torch.Tensor:
+    """ids (N,) -> (N, D): this rank's rows of the embedding (from `vocab_start`) for the ids it
+    holds, zeros elsewhere, summed over the ranks of `tp` (exact: one rank adds each row, the rest 0)."""
+    local = ids - vocab_start
+    rows = embed.weight.shape[0]
+    mine = ((local >= 0) & (local < rows))[:, None]  # (N, 1)
+    return tp.all_reduce(embed(local.clamp(0, rows - 1)) * mine.to(embed.weight.dtype))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -68,7 +77,8 @@ class Transformer(nn.Module):
                              segments: list[Segment]) -> torch.Tensor:
         """Final-norm hidden states (N, D) for the packed tokens input_ids (N,) at positions (N,);
         `segments` say which tokens form which sequence (each attends only within itself)."""
-        x = self.embed(input_ids) if self.tp is None else self._vocab_parallel_embed(input_ids)  # (N, D)
+        x = self.embed(input_ids) if self.tp is None else \
+            vocab_parallel_embed(self.embed, input_ids, self.vocab_start, self.tp)  # (N, D)
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
         cos, sin = self.rotary.tables(positions)  # (N, hd) each
@@ -82,13 +92,6 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         segment = Segment(0, B, T, mask, caches, cache_start, cache_len)
         return self.packed_hidden_states(input_ids.reshape(-1), positions.reshape(-1), [segment]).view(B, T, -1)
-
-    def _vocab_parallel_embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the embedding for the ids it holds, zeros elsewhere, summed over ranks."""
-        local = ids - self.vocab_start
-        rows = self.embed.weight.shape[0]
-        mine = ((local >= 0) & (local < rows))[:, None]  # (N, 1)
-        return self.tp.all_reduce(self.embed(local.clamp(0, rows - 1)) * mine.to(self.embed.weight.dtype))
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on (..., D) -> this rank's vocabulary columns: all of them (padding cut) on one

@@ -227,8 +227,10 @@ class ModelRunner:
         return self.execute([forward_pass])[0]
 
     def whole_pass(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits of a plain pass over ids (B, T) at positions (B, T), as `model(ids, positions)`."""
-        return self.logits(ForwardPass(ids, positions, None, 0, ids.shape[1], "full", self))
+        """Logits of a plain pass over ids (B, T) at positions (B, T), as `model(ids, positions)` (with
+        a fresh cache for a model whose attention always writes one, as its forward makes: DiffusionGemma)."""
+        kv = self.allocate_kv(*ids.shape) if hasattr(self.model, "allocate_kv") else None
+        return self.logits(ForwardPass(ids, positions, None, 0, ids.shape[1], "full", self, kv))
 
     @torch.inference_mode()
     def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
