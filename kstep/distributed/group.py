@@ -6,7 +6,7 @@ Each model's group is its own process group made from a TCP store of its own, ne
 torch.distributed's default group: a process may hold several (a server's models, the tests), and
 the ranks' collectives cannot mix. Only the pass's collectives go through it: rank 0's messages
 between passes go by pipe (runner.py), so an idle group never meets a collective timeout. Every
-collective is counted (`counts`; `elements`: what this rank put in) and timed (`seconds`: what this
+collective is counted (`counts`; `elements`: the size of this rank's share) and timed (`seconds`: what this
 rank waited, for `kstep bench tp`; on CUDA after a synchronize, so it is the collective's time, not
 its launch)."""
 import datetime
@@ -85,5 +85,5 @@ class TPGroup:
         opts.rootRank = 0
         out = torch.empty(shape, dtype=dtype, device=self.device)
         inputs = [[c.contiguous() for c in chunks]] if self.rank == 0 else []
-        self._wait(self.pg.scatter([out], inputs, opts), "scatter")
+        self._wait(self.pg.scatter([out], inputs, opts), "scatter", out)
         return out
