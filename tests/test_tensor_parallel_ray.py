@@ -25,6 +25,7 @@ from test_server import client
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
+from kstep.server.replicas import check_fits  # noqa: E402  (Ray Serve: only where it is installed)
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks need two cores")
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
 FAMILIES = {  # family: (checkpoint sizes, generation settings)
@@ -79,6 +80,8 @@ def test_rank_actors_generate_what_one_rank_does(checkpoints):
             assert [b["CPU"] for b in group["bundles"].values()] == [1.0]  # rank 1's; rank 0 is this process
         with pytest.raises(ValueError, match=r"3 ranks of \{'CPU': 1\} do not fit"):
             kstep.load(checkpoints["llama"], tensor_parallel_size=4, distributed_executor_backend="ray")
+        with pytest.raises(ValueError, match=r"need \{'CPU': 4.0\} on one node"):  # serve --replicas 1 -tp 4 here
+            check_fits([{"CPU": 1.0}] + [{"CPU": 1}] * 3)
         llama = twos["llama"]
         llama.runner.channels[0].kill()  # ray.kill
         start = time.monotonic()

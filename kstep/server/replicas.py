@@ -95,19 +95,39 @@ def rank_bundles(specs: list[ModelSpec], options: LoadOptions) -> list[dict[str,
     return [rank_bundle(options.device, 1)] * ranks
 
 
+def check_fits(bundles: list[dict[str, float]]) -> None:
+    """One replica's placement group (STRICT_PACK: one node) fits a node of the Ray cluster, or a
+    ValueError naming the numbers: Serve would wait for it for ever."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            need[key] = need.get(key, 0) + amount
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    if not any(all(r.get(k, 0) >= v for k, v in need.items()) for r in nodes):
+        have = [{k: r.get(k, 0) for k in need} for r in nodes]
+        raise ValueError(f"a replica and its ranks need {need} on one node; the Ray nodes have {have}")
+
+
 def serve_replicas(specs: list[ModelSpec], options: LoadOptions, config, replica: ReplicaOptions) -> int:
     started_ray = replica.ray_address is None
+    gpus = 1 if options.device == "cuda" else 0
+    own = {"CPU": replica.cpus_per_replica, **({"GPU": gpus} if gpus else {})}
+    ranks = rank_bundles(specs, options)
     ray.init(address=replica.ray_address, include_dashboard=False, logging_level="warning",
              log_to_driver=False)
+    if ranks:
+        try:
+            check_fits([own, *ranks])
+        except ValueError:
+            if started_ray:
+                ray.shutdown()
+            raise
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": replica.host, "port": replica.port})
-        gpus = 1 if options.device == "cuda" else 0
         threads = options.threads or max(1, int(replica.cpus_per_replica))
-        own = {"CPU": replica.cpus_per_replica, **({"GPU": gpus} if gpus else {})}
-        ranks = rank_bundles(specs, options)
         placement = {"placement_group_bundles": [own, *ranks], "placement_group_strategy": "STRICT_PACK"} \
             if ranks else {}
         deployment = serve.deployment(
