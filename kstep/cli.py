@@ -48,7 +48,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if any(p == "" for p in args.prompts) or any(not ids for ids in args.prompt_ids):
         raise ValueError("prompt is empty: give at least one token")
     llm = load(args.model, device=args.device, dtype=args.dtype, draft=args.draft, quantize=args.quantize,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size,
+               distributed_executor_backend=args.distributed_executor_backend or "mp")
     prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompts]
     if args.suffix is not None and args.suffix_ids is not None:
         raise ValueError("--suffix and --suffix-ids: give one")

@@ -62,6 +62,9 @@ def add_device_flags(parser: argparse.ArgumentParser, threads: bool = False, par
         parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
                             help="split the model over N processes (tensor and expert parallel: N CUDA devices, "
                                  "or N CPU cores at one thread each); default 1")
+        parser.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                            help="what runs ranks 1..N-1: processes of this machine (mp, the default) or Ray "
+                                 "actors in a placement group (ray; what serve --replicas uses)")
     if threads:
         parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 

@@ -32,13 +32,15 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                 draft: "str | Path | LLM | None" = None, quantize: str | None = None, tensor_parallel_size: int = 1):
+                 draft: "str | Path | LLM | None" = None, quantize: str | None = None, tensor_parallel_size: int = 1,
+                 distributed_executor_backend: str = "mp"):
         self.path = resolve_model(path)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was requested but no CUDA device is available")
         self.quantize, self.tensor_parallel_size = quantize, tensor_parallel_size
-        self.runner = load_runner(self.path, self.device, resolve_dtype(dtype), quantize, tensor_parallel_size)
+        self.runner = load_runner(self.path, self.device, resolve_dtype(dtype), quantize, tensor_parallel_size,
+                                  backend=distributed_executor_backend)
         self.model = self.runner.model  # a tensor-parallel model: rank 0's share
         self.close = weakref.finalize(self, getattr(self.runner, "close", lambda: None))  # its ranks stop with it
         self.cfg = self.model.cfg
@@ -288,10 +290,11 @@ def is_one_prompt(prompt) -> bool:
 
 def load(path: str | Path = "default", device: str | torch.device = "cpu",
          dtype: str | torch.dtype = "float32", draft: str | Path | None = None, quantize: str | None = None,
-         tensor_parallel_size: int = 1) -> LLM:
+         tensor_parallel_size: int = 1, distributed_executor_backend: str = "mp") -> LLM:
     """Load a checkpoint directory (config.json + safetensors [+ tokenizer.json]) or a bundled model
     by name (`default`, `default-ar`, `default-draft`) for generation; `draft` adds a draft model
     (or "ngram": n-gram lookup, no model) for speculative decoding (`num_draft_tokens`); `quantize`
     ("int8" or "int4") quantizes the linear layers' weights at load time; `tensor_parallel_size`
-    splits the model over that many processes (kstep/distributed: CUDA devices, or CPU cores)."""
-    return LLM(path, device, dtype, draft, quantize, tensor_parallel_size)
+    splits the model over that many processes (kstep/distributed: CUDA devices, or CPU cores), its
+    other ranks started by `distributed_executor_backend`: "mp" (processes) or "ray" (Ray actors)."""
+    return LLM(path, device, dtype, draft, quantize, tensor_parallel_size, distributed_executor_backend)

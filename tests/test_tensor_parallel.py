@@ -164,7 +164,7 @@ def test_an_idle_group_lives_and_the_other_ranks_free_what_rank_0_frees(checkpoi
 def test_a_lost_rank_fails_at_once(checkpoints):
     two = tensor_parallel(checkpoints["llama"])
     two.generate(PROMPTS[0], max_tokens=2)
-    two.runner.workers[0].kill()
+    two.runner.channels[0].kill()
     start = time.monotonic()
     with pytest.raises(GroupLost, match="kstep-rank-1 stopped"):
         two.generate(PROMPTS[0], max_tokens=2)

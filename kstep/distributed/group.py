@@ -5,10 +5,12 @@ of its self-conditioning probabilities).
 Each model's group is its own process group made from a TCP store of its own, never
 torch.distributed's default group: a process may hold several (a server's models, the tests), and
 the ranks' collectives cannot mix. Only the pass's collectives go through it: rank 0's messages
-between passes go by pipe (runner.py), so an idle group never meets a collective timeout. Every
-collective is counted (`counts`; `elements`: the size of this rank's share) and timed (`seconds`: what this
-rank waited, for `kstep bench tp`; on CUDA after a synchronize, so it is the collective's time, not
-its launch)."""
+between passes go by pipe or Ray actor call (runner.py), so an idle group never meets a collective
+timeout. The ranks meet at rank 0's store by address: loopback for processes of one machine
+(launch.py), each node's own address for Ray actors (ray_ranks.py), which may sit on other machines.
+Every collective is counted (`counts`; `elements`: the size of this rank's share) and timed
+(`seconds`: what this rank waited, for `kstep bench tp`; on CUDA after a synchronize, so it is the
+collective's time, not its launch)."""
 import datetime
 import os
 import time
@@ -24,9 +26,9 @@ TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("KSTEP_TP_TIMEOUT_SECO
 HOST = "127.0.0.1"
 
 
-def make_store(size: int, timeout: datetime.timedelta = TIMEOUT) -> dist.TCPStore:
-    """Rank 0's store, on a port the system picks (no race for a free one); the others join its port."""
-    return dist.TCPStore(HOST, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+def make_store(size: int, host: str = HOST, timeout: datetime.timedelta = TIMEOUT) -> dist.TCPStore:
+    """Rank 0's store, on a port the system picks (no race for a free one); the others join `host` at its port."""
+    return dist.TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
 @dataclass(slots=True)
@@ -42,18 +44,24 @@ class TPGroup:
 
     @classmethod
     def join(cls, rank: int, size: int, device: torch.device | str, store: dist.TCPStore | None = None,
-             port: int | None = None, timeout: datetime.timedelta = TIMEOUT) -> "TPGroup":
-        """Join the group of `size` ranks: rank 0 with its store (make_store), the others at its port."""
+             port: int | None = None, timeout: datetime.timedelta = TIMEOUT, host: str = HOST,
+             address: str | None = None) -> "TPGroup":
+        """Join the group of `size` ranks: rank 0 with its store (make_store), the others at its `host`
+        and port; gloo listens on this rank's `address` (default: what its hostname resolves to)."""
         device = torch.device(device)
         if store is None:
-            store = dist.TCPStore(HOST, port, size, is_master=False, timeout=timeout)
+            store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
         if device.type == "cuda":
             torch.cuda.set_device(device)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             pg = dist.ProcessGroupNCCL(store, rank, size, options)
-        else:
+        elif address is None:
             pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        else:  # NCCL finds its own interface (NCCL_SOCKET_IFNAME); gloo is told this node's
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout, options._devices = timeout, [dist.ProcessGroupGloo.create_device(hostname=address)]
+            pg = dist.ProcessGroupGloo(store, rank, size, options)
         return cls(rank, size, device, pg, store)
 
     def _wait(self, work, kind: str, x: torch.Tensor) -> None:

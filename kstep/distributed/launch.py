@@ -1,6 +1,7 @@
-"""Starting a tensor-parallel model: the other ranks as processes of their own (torch.multiprocessing,
-`spawn`: a fork of a process holding threads and a loaded torch can deadlock), every rank loading
-only its share of the weights, rank 0 returning the model and its runner.
+"""Starting a tensor-parallel model: the other ranks as processes of their own (the "mp" backend:
+torch.multiprocessing, `spawn`: a fork of a process holding threads and a loaded torch can
+deadlock) or as Ray actors ("ray": ray_ranks.py), every rank loading only its share of the weights,
+rank 0 returning the model and its runner.
 
 CPU ranks run one torch thread each by default (N ranks on N cores); CUDA rank r uses cuda:r."""
 import os
@@ -24,10 +25,44 @@ READY_SECONDS = 600  # for every rank to load its share
 SCHEMES = {None: sharding, DiffusionGemma: sharding_gemma}
 
 
-def check_size(size: int, device: torch.device) -> None:
-    """A group this machine can hold, or a ValueError naming the numbers."""
+class PipeChannel:
+    """Rank 0's side of one rank's process: the pipe its messages go by, and the process."""
+
+    def __init__(self, process, pipe):
+        self.process, self.pipe, self.name = process, pipe, process.name
+
+    def send(self, message: tuple) -> None:
+        self.pipe.send(message)
+
+    def recv(self, timeout: float):
+        if not self.pipe.poll(timeout):
+            raise TimeoutError(f"{self.name} did not answer in {timeout:g} s")
+        return self.pipe.recv()
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def has_ended(self, timeout: float) -> bool:
+        """Whether the process ends within `timeout` seconds (a killed one is reaped a moment late)."""
+        self.process.join(timeout)
+        return not self.process.is_alive()
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def check_size(size: int, device: torch.device, backend: str = "mp") -> None:
+    """A group this machine can hold, or a ValueError naming the numbers (Ray's ranks: Ray's
+    resources decide, ray_ranks.py)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    if backend == "ray":
+        return
     first = device.index or 0
     if device.type == "cuda" and first + size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size {size} from cuda:{first} needs {first + size} CUDA devices; "
@@ -87,7 +122,7 @@ def check_supported(cfg, size: int) -> None:
 
 def load_tensor_parallel(path, device: torch.device, dtype: torch.dtype, size: int,
                          threads: int = 1) -> tuple[Transformer | DiffusionGemma, TensorParallelRunner]:
-    """Start ranks 1..size-1, load rank 0's share here; (rank 0's model, its runner)."""
+    """Start ranks 1..size-1 as processes, load rank 0's share here; (rank 0's model, its runner)."""
     check_size(size, device)
     check_supported(read_model_config(path), size)
     context = mp.get_context("spawn")
@@ -115,4 +150,4 @@ def load_tensor_parallel(path, device: torch.device, dtype: torch.dtype, size: i
         if isinstance(e, (ValueError, RuntimeError, EOFError)):
             raise ValueError(f"tensor parallel start failed: {e or 'a rank stopped while loading'}") from None
         raise
-    return model, TensorParallelRunner(model, group, workers, pipes)
+    return model, TensorParallelRunner(model, group, [PipeChannel(w, p) for w, p in zip(workers, pipes)])

@@ -2,7 +2,10 @@
 any runner, and the loop every other rank runs.
 
 Rank 0 sends each packed pass it is asked for (its ForwardPass descriptions: tokens, positions,
-masks, cache windows; one message per step, by pipe) before running it; every rank then runs the same
+masks, cache windows; one message per step) before running it, through one channel per other rank:
+a pipe to a process (launch.py) or a Ray actor's handle (ray_ranks.py), both with `send(message)`,
+`recv(timeout)` (the reply to the last message that has one) and the rank's life (`is_alive`, `kill`,
+`join`); each of those ranks hands every message to its `Follower`. Every rank then runs the same
 packed pass over its share of the weights, meeting at the layers' collectives, and rank 0 alone
 gets the logits. KV caches live on every rank (each its heads): rank 0's handle carries an id the
 others know theirs by; a cache rank 0 drops is dropped everywhere with the next step's message.
@@ -19,12 +22,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import fields
 from functools import partial
-from multiprocessing.connection import wait
 
 import torch
 import torch.nn.functional as F
 
-from kstep.distributed.group import TPGroup
+from kstep.distributed.group import TIMEOUT, TPGroup
 from kstep.layers.attention import KVCache
 from kstep.runner.model_runner import ForwardPass, ModelRunner
 from kstep.runner.prefix_cache import PrefixCache
@@ -109,12 +111,13 @@ def replay(ops: list, runner: ModelRunner, caches: dict[int, KVCache], prefix_ca
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: every pass and cache is mirrored on the other ranks (module note). Its
-    messages go to each rank by pipe (`pipes`, one each, in rank order), pickled between kstep's
-    own processes (never a file): a pipe has no timeout, and a rank whose parent died reads EOF."""
+    messages go to each rank through its channel (`channels`, one each, in rank order), pickled
+    between kstep's own processes (never a file); `release` runs once the ranks are stopped (a Ray
+    group's placement group and Ray itself, when kstep started them)."""
 
-    def __init__(self, model, group: TPGroup, workers: list, pipes: list):
+    def __init__(self, model, group: TPGroup, channels: list, release: Callable[[], None] | None = None):
         super().__init__(model)
-        self.group, self.workers, self.pipes = group, workers, pipes
+        self.group, self.channels, self.release = group, channels, release
         self._ids = itertools.count()
         self._freed: deque[int] = deque()  # one deque for good: finalizers of every cache and soft embedding append
         self.replayed: list[tuple] = []  # prefix-cache operations since the last message
@@ -137,8 +140,8 @@ class TensorParallelRunner(ModelRunner):
 
     def _send(self, message: tuple) -> None:
         self.group.counts["message"] += 1
-        for pipe in self.pipes:
-            pipe.send(message)
+        for channel in self.channels:
+            channel.send(message)
 
     def _taken(self) -> tuple[list, list[int]]:
         """The prefix-cache operations and the freed caches since the last message (drained in place:
@@ -178,9 +181,8 @@ class TensorParallelRunner(ModelRunner):
             return run()
         except Exception as e:  # any failure mid-pass leaves the ranks out of step: the group is done
             self.is_closed = self.is_broken = True
-            # A killed rank's sockets reset a moment before its process is reaped: wait (at most 1 s) for one to end.
-            ended = set(wait([w.sentinel for w in self.workers], timeout=1.0))
-            dead = [w.name for w in self.workers if w.sentinel in ended or not w.is_alive()]
+            # A killed rank's sockets reset a moment before its process is reaped: give it (at most 1 s) to end.
+            dead = [c.name for c in self.channels if c.has_ended(1.0)]
             why = f"{', '.join(dead)} stopped" if dead else f"a pass failed ({e})"
             raise GroupLost(f"the model's tensor-parallel group cannot go on: {why}") from e
 
@@ -188,51 +190,70 @@ class TensorParallelRunner(ModelRunner):
         """What each other rank holds now (its KV caches, prefix-cache blocks and soft embeddings),
         after applying what rank 0 has sent: a check that they mirror rank 0."""
         self._send(("report", [], *self._taken()))
-        return [pipe.recv() for pipe in self.pipes]
+        return [channel.recv(TIMEOUT.total_seconds()) for channel in self.channels]
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the other ranks (they leave their loop and exit; a broken group's are killed)."""
+        """Stop the other ranks (they leave their loop and exit; a broken group's are killed), then
+        release what the group held."""
         if self.is_broken:
-            for worker in self.workers:
-                worker.kill()
-        if self.is_closed:
-            return
-        self.is_closed = True
-        try:
-            self._send(("stop", [], [], []))
-        except OSError:  # a rank already gone: nothing to tell it
-            pass
-        for worker in self.workers:
-            worker.join(timeout)
-            if worker.is_alive():
-                worker.kill()
+            for channel in self.channels:
+                channel.kill()
+        if not self.is_closed:
+            self.is_closed = True
+            try:
+                self._send(("stop", [], [], []))
+            except OSError:  # a rank already gone: nothing to tell it
+                pass
+            for channel in self.channels:
+                channel.join(timeout)  # and killed if it has not stopped by then
+        release, self.release = self.release, None
+        if release is not None:
+            release()
 
 
-@torch.inference_mode()
-def follow(runner: ModelRunner, pipe) -> None:
-    """A rank other than 0: run what rank 0 sends until it says stop (or its pipe closes)."""
-    caches: dict[int, KVCache] = {}
-    prefix_caches: dict[int, PrefixCache] = {}
-    softs: dict[int, torch.Tensor] = {}  # DiffusionGemma's soft embeddings, by rank 0's id
-    while True:
-        try:
-            op, payload, replayed, freed = pipe.recv()
-        except EOFError:  # rank 0's process is gone
-            return
-        replay(replayed, runner, caches, prefix_caches)  # before the frees: a store may read a cache just dropped
+class Follower:
+    """A rank other than 0: its KV and prefix caches, and what it does with each of rank 0's
+    messages (`handle`, called in the order they were sent: by a process's pipe loop or a Ray
+    actor's method)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.caches: dict[int, KVCache] = {}
+        self.prefix_caches: dict[int, PrefixCache] = {}
+        self.softs: dict[int, torch.Tensor] = {}  # DiffusionGemma's soft embeddings, by rank 0's id
+
+    @torch.inference_mode()
+    def handle(self, message: tuple) -> dict | None:
+        """Apply one message; the reply for a "report" (what this rank holds), else None."""
+        op, payload, replayed, freed = message
+        # before the frees: a store may read a cache just dropped
+        replay(replayed, self.runner, self.caches, self.prefix_caches)
         for kept_id in freed:  # a KV cache's or a soft embedding's (one id space)
-            caches.pop(kept_id, None)
-            softs.pop(kept_id, None)
-        if op == "stop":
-            return
+            self.caches.pop(kept_id, None)
+            self.softs.pop(kept_id, None)
         if op == "report":
-            blocks = sum(len(c.blocks) for c in prefix_caches.values())
-            pipe.send({"kv_caches": sorted(caches), "prefix_blocks": blocks, "soft_embeds": sorted(softs)})
-            continue
+            return {"kv_caches": sorted(self.caches), "soft_embeds": sorted(self.softs),
+                    "prefix_blocks": sum(len(c.blocks) for c in self.prefix_caches.values())}
         if op == "soft_embedding":  # rank 0's soft_embedding, this rank's part
             soft_id, lead = payload
-            model = runner.model
-            share = model.tp.scatter(None, (*lead, model.embed.weight.shape[0]), runner.dtype)  # (..., rows)
-            softs[soft_id] = model.soft_embedding_share(share)  # (..., D)
-            continue
-        runner.execute([rebuild(d, runner, caches, softs) for d in payload])
+            model = self.runner.model
+            share = model.tp.scatter(None, (*lead, model.embed.weight.shape[0]), self.runner.dtype)  # (..., rows)
+            self.softs[soft_id] = model.soft_embedding_share(share)  # (..., D)
+        elif op == "execute":
+            self.runner.execute([rebuild(d, self.runner, self.caches, self.softs) for d in payload])
+        return None
+
+
+def follow(runner: ModelRunner, pipe) -> None:
+    """A rank's process: handle what rank 0 sends by `pipe` until it says stop (or the pipe closes)."""
+    follower = Follower(runner)
+    while True:
+        try:
+            message = pipe.recv()
+        except EOFError:  # rank 0's process is gone
+            return
+        reply = follower.handle(message)
+        if message[0] == "stop":
+            return
+        if message[0] == "report":
+            pipe.send(reply)

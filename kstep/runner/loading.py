@@ -1,5 +1,5 @@
 """A checkpoint's model runner: the model loaded on one device (quantized if asked), or split over a
-tensor-parallel group of processes (kstep/distributed), whose rank 0 runner is returned."""
+tensor-parallel group of processes or Ray actors (kstep/distributed), whose rank 0 runner is returned."""
 from pathlib import Path
 
 import torch
@@ -8,10 +8,15 @@ from kstep.layers.quantized import quantize_model
 from kstep.runner.model_runner import ModelRunner
 from kstep.weights import load_model
 
+BACKENDS = ("mp", "ray")  # vLLM's names for its `distributed_executor_backend`
+
 
 def load_runner(path: Path, device: torch.device, dtype: torch.dtype, quantize: str | None = None,
-                tensor_parallel_size: int = 1, threads_per_rank: int = 1) -> ModelRunner:
-    """The runner of the checkpoint at `path` (`threads_per_rank`: each CPU rank's torch threads)."""
+                tensor_parallel_size: int = 1, threads_per_rank: int = 1, backend: str = "mp") -> ModelRunner:
+    """The runner of the checkpoint at `path` (`threads_per_rank`: each CPU rank's torch threads;
+    `backend`: the other ranks as processes, "mp", or Ray actors, "ray"; one rank needs neither)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"distributed_executor_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if tensor_parallel_size == 1:
         model = load_model(path, device, dtype)
         if quantize is not None:
@@ -20,8 +25,10 @@ def load_runner(path: Path, device: torch.device, dtype: torch.dtype, quantize: 
     if quantize is not None:
         raise ValueError(f"quantize {quantize!r} with tensor_parallel_size {tensor_parallel_size}: weight-only "
                          "quantization runs on one device only")
-    from kstep.distributed.launch import load_tensor_parallel  # torch.distributed, only when asked for
     if device.type == "cpu":  # rank 0 too: N ranks, one core each
         torch.set_num_threads(threads_per_rank)
-    model, runner = load_tensor_parallel(path, device, dtype, tensor_parallel_size, threads_per_rank)
-    return runner
+    if backend == "ray":
+        from kstep.distributed.ray_ranks import load_on_ray  # Ray: an optional dependency, only when asked for
+        return load_on_ray(path, device, dtype, tensor_parallel_size, threads_per_rank)[1]
+    from kstep.distributed.launch import load_tensor_parallel  # torch.distributed, only when asked for
+    return load_tensor_parallel(path, device, dtype, tensor_parallel_size, threads_per_rank)[1]

@@ -81,8 +81,13 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--model: two models are served as {next(n for n in names if names.count(n) > 1)!r}; "
                          "name them apart with NAME=MODEL")
 
+    backend = args.distributed_executor_backend or ("ray" if args.replicas is not None else "mp")
+    if args.replicas is not None and backend != "ray" and max(s.tensor_parallel_size or args.tensor_parallel_size
+                                                              for s in specs) > 1:
+        raise ValueError(f"--distributed-executor-backend {backend} with --replicas: a replica's ranks are Ray "
+                         "actors in its placement group (ray)")
     options = LoadOptions(args.device, args.dtype, args.threads, args.draft, args.quantize, shared,
-                          args.tensor_parallel_size)
+                          args.tensor_parallel_size, backend)
     config = ServeConfig(api_key=args.api_key, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          prefix_cache_bytes=args.prefix_cache_mib << 20, max_request_passes=args.max_request_passes,

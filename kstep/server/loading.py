@@ -17,6 +17,7 @@ class LoadOptions:
     quantize: str | None = None
     shared_defaults: dict = field(default_factory=dict)   # decoding defaults for every model that takes them
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"              # ranks 1..N-1 as processes ("mp") or Ray actors ("ray")
 
 
 def load_served_models(specs: list[ModelSpec], options: LoadOptions, announce: str | None = None) -> list:
@@ -32,7 +33,8 @@ def load_served_models(specs: list[ModelSpec], options: LoadOptions, announce: s
             torch.set_num_threads(options.threads)
         return load(spec.model, device=options.device, dtype=options.dtype, draft=spec.draft or options.draft,
                     quantize=spec.quantize or options.quantize,
-                    tensor_parallel_size=spec.tensor_parallel_size or options.tensor_parallel_size)
+                    tensor_parallel_size=spec.tensor_parallel_size or options.tensor_parallel_size,
+                    distributed_executor_backend=options.distributed_executor_backend)
     served = []
     for spec in specs:
         executor = torch_thread()  # each model's engine steps on its own thread
