@@ -4,8 +4,10 @@ exit code 2."""
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from kstep.flags import add_command, add_device_flags, add_knob_flags, params_from_args
+from kstep.params import SELF_DRAFT
 
 
 def _ids(text: str) -> list[int]:
@@ -32,7 +34,8 @@ def add_generate(sub) -> None:
     add_knob_flags(gen)
     gen.add_argument("--draft", default=None,
                      help="speculative decoding for an AR model: a draft model (e.g. default-draft) or 'ngram' "
-                          "(lookup in the prompt and output, no model)")
+                          "(lookup in the prompt and output, no model); for a diffusion model 'self' (lossless "
+                          "self-speculation: --exact's tokens in fewer passes, --num-draft-tokens per pass)")
     add_device_flags(gen, parallel=True)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     gen.add_argument("--quantize", default=None, choices=["int8", "int4"],
@@ -43,6 +46,8 @@ def add_generate(sub) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from kstep.llm import load
     params = params_from_args(args)
+    if args.draft == SELF_DRAFT:  # a request knob, not a model to load
+        params, args.draft = replace(params, draft=SELF_DRAFT), None
     if not args.prompts and not args.prompt_ids:
         raise ValueError("no prompt given: pass PROMPT text or --prompt-ids")
     if any(p == "" for p in args.prompts) or any(not ids for ids in args.prompt_ids):

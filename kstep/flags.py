@@ -29,7 +29,7 @@ def add_knob_flags(parser: argparse.ArgumentParser, server_defaults: bool = Fals
     default lives in GenerationParams alone. `server_defaults`: only the knobs a server sets per model."""
     for f in user_knobs():
         meta = f.metadata
-        if server_defaults and not meta["server_default"]:
+        if (server_defaults and not meta["server_default"]) or not meta["flag"]:
             continue
         families = f" [{' / '.join(meta['families'])}]" if meta["families"] else ""
         help_text = meta["help"] + families

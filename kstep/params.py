@@ -12,7 +12,8 @@ are Dream's (`diffusion_generate`).
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
-from kstep.validation import MAX_SEED, check_int, check_number, check_pass_bound
+from kstep.validation import (MAX_SEED, check_dream_schedule, check_int, check_number, check_pass_bound,
+                              check_self_speculation)
 
 # The kinds of family: masked diffusion over a canvas (LLaDA, Dream), block diffusion (bidirectional
 # inside a block, causal across: Fast-dLLM v2, SDAR), autoregressive; uniform diffusion: canvases
@@ -30,7 +31,8 @@ DEFAULT_BLOCK_LENGTH = 32  # LLaDA-Instruct's recommended semi-autoregressive bl
 # `exact=True` is the reference sampler.
 DEFAULT_CACHE = "dual"
 DEFAULT_THRESHOLD = 0.9
-DEFAULT_NUM_DRAFT_TOKENS = 4  # speculative decoding, when a draft is loaded
+DEFAULT_NUM_DRAFT_TOKENS = 4  # speculative decoding, when a draft is loaded; self-speculation's too
+SELF_DRAFT = "self"  # `draft`: the model drafts for itself (decoding/self_speculation.py)
 DEFAULT_MAX_POST_STEPS = 16  # LLaDA2.1's token editing
 CACHE_MODES = ("none", "prefix", "dual")
 # Unmask rules (confidence scores, `decoding/unmask.py`): LLaDA's low_confidence / random, Dream's
@@ -42,12 +44,13 @@ WHOLE_CANVAS_REFERENCE = ("dream",)
 
 
 def knob(default, help: str, families: tuple[str, ...] = (), choices: tuple | None = None,
-         server_default: bool = True, http: bool = True):
+         server_default: bool = True, http: bool = True, flag: bool = True):
     """A GenerationParams field. `families`: the family kinds or names it applies to (empty: all);
     `server_default`: `kstep serve` takes it as a per-model default flag; `http`: a kstep extra field
-    of the OpenAI protocol (the standard fields are declared there with OpenAI's semantics)."""
+    of the OpenAI protocol (the standard fields are declared there with OpenAI's semantics); `flag`:
+    its flag is generated (else the commands declare it themselves)."""
     return field(default=default, metadata={"help": help, "families": families, "choices": choices,
-                                            "server_default": server_default, "http": http})
+                                            "server_default": server_default, "http": http, "flag": flag})
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,9 +120,11 @@ class GenerationParams:
                                      "last token boundary; the first token must start with the text given back")
     ignore_eos: bool = knob(False, "always produce max tokens: no stop at end-of-sequence")
     min_tokens: int = knob(0, "no end-of-sequence or stop token among the first N tokens (vLLM's min_tokens)")
-    num_draft_tokens: int | None = knob(None, "draft tokens per target pass with a draft loaded "
-                                              f"(default {DEFAULT_NUM_DRAFT_TOKENS}; 0 turns it off)",
-                                        (AUTOREGRESSIVE,))
+    num_draft_tokens: int | None = knob(None, "draft tokens per target pass with a draft loaded (diffusion with draft "
+                                              f"self: drafted steps per pass; default {DEFAULT_NUM_DRAFT_TOKENS}; 0 "
+                                              "turns it off)", (AUTOREGRESSIVE, DIFFUSION))
+    draft: str | None = knob(None, "self: lossless self-speculation, the exact sampler's tokens in fewer passes "
+                                   "(num_draft_tokens steps drafted per pass)", (DIFFUSION,), (SELF_DRAFT,), flag=False)
     time_budget: float | None = knob(None, "seconds the completion may take: the passes are chosen to fit, from "
                                            "this device's measured pass costs (diffusion: fewer passes; AR: fewer "
                                            "tokens)", server_default=False)
@@ -205,16 +210,6 @@ class GenerationParams:
             return replace(filled, seed=seed, is_resolved=True)
         return self._resolve_diffusion(family in WHOLE_CANVAS_REFERENCE)
 
-    @staticmethod
-    def _check_dream_schedule(cache: str, policy: UnmaskPolicy, block: int, steps_per_block: int) -> None:
-        """Dream's two samplers' own arithmetic (decoding/dream.py)."""
-        if cache != "none" and policy.kind == "fixed" and steps_per_block < 2:
-            raise ValueError(f"steps gives {steps_per_block} pass per block: Dream's block sampler (cache "
-                             f"{cache}) needs at least 2 (its first pass commits one token)")
-        if cache == "none" and policy.kind == "threshold" and block % steps_per_block:
-            raise ValueError(f"a threshold without a cache is Dream's confidence_threshold: block_length ({block}) "
-                             f"must be a multiple of the steps per block ({steps_per_block})")
-
     def _resolve_block_diffusion(self) -> "GenerationParams":
         """Blocks are the checkpoint's (filled in from it when not given) and aligned to position 0,
         so any max_tokens fits. Policy: a threshold (default 0.9; with `steps`, at least the
@@ -254,9 +249,10 @@ class GenerationParams:
         """Defaults: the dual cache, and the 0.9 confidence threshold unless `steps` or `factor`
         chooses the policy; `exact` turns both off (one forward pass per token unless steps). Checks
         the block/step arithmetic of LLaDA's sampler."""
-        cache = "none" if self.exact else self.cache or DEFAULT_CACHE
+        exact = self.exact or self.draft == SELF_DRAFT  # self-speculation is the exact sampler's, in fewer passes
+        cache = "none" if exact else self.cache or DEFAULT_CACHE
         block = self.block_length
-        if block is None and self.exact and whole_canvas_reference:
+        if block is None and exact and whole_canvas_reference:
             block = self.max_tokens
         if block is None:
             block = DEFAULT_BLOCK_LENGTH if self.max_tokens % DEFAULT_BLOCK_LENGTH == 0 else self.max_tokens
@@ -275,7 +271,7 @@ class GenerationParams:
             policy = UnmaskPolicy("threshold", self.threshold)
         elif self.factor is not None:
             policy = UnmaskPolicy("factor", self.factor)
-        elif self.steps is None and not self.exact:
+        elif self.steps is None and not exact:
             if self.remasking == "entropy":
                 raise ValueError("remasking 'entropy' scores negative entropy, which the default confidence "
                                  "threshold cannot compare: give steps (a fixed schedule)")
@@ -283,10 +279,14 @@ class GenerationParams:
         else:
             policy = UnmaskPolicy("fixed", steps // num_blocks)
         if whole_canvas_reference:
-            self._check_dream_schedule(cache, policy, block, steps // num_blocks)
+            check_dream_schedule(cache, policy.kind, block, steps // num_blocks)
+        drafts = None if self.draft is None else check_self_speculation(self, steps // num_blocks,
+                                                                        DEFAULT_NUM_DRAFT_TOKENS)
+        if self.draft is None and self.num_draft_tokens:
+            raise ValueError("num_draft_tokens: a diffusion model drafts for itself: give draft 'self' too")
         threshold = policy.value if policy.kind == "threshold" else None
         return replace(self, block_length=block, steps=steps, cache=cache, threshold=threshold, policy=policy,
-                       is_resolved=True)
+                       exact=exact, num_draft_tokens=drafts, is_resolved=True)
 
 
 def user_knobs() -> list:

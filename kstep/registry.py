@@ -5,6 +5,7 @@ file in models/ and a decoder in decoding/ (or a reused one).
     family   layout (models/)   attention       kind            decoder (decoding/)
     llada    llada.py           bidirectional   diffusion       masked_diffusion.DiffusionDecoder
     dream    dream.py           bidirectional   diffusion       dream.DreamDecoder
+             (llada, llada_moe, dream with draft "self": self_speculation.SelfSpeculativeDecoder around it)
     fast_dllm_v2  fast_dllm_v2.py  block_causal  block-diffusion  block_diffusion.BlockDiffusionDecoder (shifted)
     sdar     sdar.py            block_causal    block-diffusion block_diffusion.BlockDiffusionDecoder
     llada2_moe  llada2_moe.py   block_causal    block-diffusion block_diffusion.BlockDiffusionDecoder (+ token editing)
@@ -24,12 +25,13 @@ from kstep.decoding.block_cache import BlockCacheDecoder
 from kstep.decoding.block_diffusion import BlockDiffusionDecoder, BlockRules
 from kstep.decoding.dream import DreamDecoder
 from kstep.decoding.masked_diffusion import DiffusionDecoder
+from kstep.decoding.self_speculation import SelfSpeculativeDecoder
 from kstep.decoding.speculative import SpeculativeDecoder
 from kstep.decoding.uniform_diffusion import UniformDiffusionDecoder
 from kstep.models import diffusion_gemma, dream, fast_dllm_v2, llada, llada2_moe, llada_moe, llama, sdar
 from kstep.models.diffusion_gemma_model import DiffusionGemma
 from kstep.models.config import ModelConfig
-from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, UNIFORM_DIFFUSION, GenerationParams
+from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, SELF_DRAFT, UNIFORM_DIFFUSION, GenerationParams
 from kstep.runner.model_runner import ModelRunner
 from kstep.runner.prefix_cache import PrefixCache
 
@@ -90,7 +92,10 @@ class Family:
 
 
 def _diffusion(cls) -> DecoderFactory:
-    return lambda runner, batch, params, resources: cls(runner, batch, params)
+    def make(runner, batch, params, resources):
+        decoder = cls(runner, batch, params)
+        return SelfSpeculativeDecoder(decoder, params.num_draft_tokens) if params.draft == SELF_DRAFT else decoder
+    return make
 
 
 def _block(rules: BlockRules) -> DecoderFactory:

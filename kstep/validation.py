@@ -39,3 +39,33 @@ def check_pass_bound(name: str, passes: int, positions: int, what: str, default:
         raise ValueError(f"{name} ({passes}) exceeds its limit of {limit}: at most {MAX_PASSES_PER_POSITION} "
                          f"passes per position of {what}")
     return passes
+
+
+def check_dream_schedule(cache: str, policy: str, block: int, steps_per_block: int) -> None:
+    """Dream's two samplers' own arithmetic (decoding/dream.py), for its resolved cache and unmask policy."""
+    if cache != "none" and policy == "fixed" and steps_per_block < 2:
+        raise ValueError(f"steps gives {steps_per_block} pass per block: Dream's block sampler (cache "
+                         f"{cache}) needs at least 2 (its first pass commits one token)")
+    if cache == "none" and policy == "threshold" and block % steps_per_block:
+        raise ValueError(f"a threshold without a cache is Dream's confidence_threshold: block_length ({block}) "
+                         f"must be a multiple of the steps per block ({steps_per_block})")
+
+
+def check_self_speculation(params, steps_per_block: int, default_drafts: int) -> int:
+    """The drafts per pass of a `draft="self"` request (decoding/self_speculation.py): lossless only
+    where the exact sampler is deterministic (greedy, a score that is not random); a ValueError
+    naming the field otherwise."""
+    refused = {"temperature": params.temperature != 0, "remasking": params.remasking == "random",
+               "cfg_scale": params.cfg_scale != 0, "alg_temp": bool(params.alg_temp),
+               "time_budget": params.time_budget is not None}
+    for name, bad in refused.items():
+        if bad:
+            raise ValueError(f"draft 'self' gives the exact greedy sampler's tokens in fewer passes: it takes no "
+                             f"{name} {getattr(params, name)!r}")
+    if params.cache not in (None, "none") or params.threshold is not None or params.factor is not None:
+        raise ValueError("draft 'self' is the exact sampler's (no cache, fixed schedule): it takes no cache, "
+                         "threshold or factor")
+    drafts = default_drafts if params.num_draft_tokens is None else params.num_draft_tokens
+    check_int("num_draft_tokens", drafts, 1, steps_per_block, f"[1, the {steps_per_block} passes of a block] "
+              "with draft 'self'")
+    return drafts

@@ -82,7 +82,7 @@ def measure(path: Path, dtype: torch.dtype, size: int, context: int, repeats: in
             waited = (sum(group.seconds.values()) - before) / (repeats + 1) if group else 0.0
             row[f"{name}_ms"] = round(seconds * 1e3, 2)
             row[f"{name}_collective_share"] = round(waited / seconds, 3) if group else 0.0
-        pids = ["self"] + [w.pid for w in getattr(runner, "workers", [])]
+        pids = ["self"] + [c.process.pid for c in getattr(runner, "channels", []) if hasattr(c, "process")]
         memory = [process_memory(pid) for pid in pids]
         row["rank0_param_gib"] = round(sum(p.numel() * p.element_size() for p in llm.model.parameters()) / GIB, 3)
         row["rss_gib"] = [round(m[0] / GIB, 2) for m in memory]

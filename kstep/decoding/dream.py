@@ -80,6 +80,7 @@ def dream_scores(logits: torch.Tensor, params, mask_id: int, generator: torch.Ge
 class DreamDecoder(DiffusionDecoder):
     """Decodes one canvas batch, block by block; the canvas, caches, early stop and outputs are the
     masked-diffusion decoder's, the step is Dream's."""
+    logits_shift = 1  # its AR parent's shift: position j is predicted by the output at j - 1
 
     def __init__(self, runner, batch, params):
         super().__init__(runner, batch, params)
@@ -121,20 +122,40 @@ class DreamDecoder(DiffusionDecoder):
         return asking([forward], self.top)
 
     def update(self, logits: list[torch.Tensor]) -> StepOutput:
-        p = self.params
         [logits] = logits  # (B, t, V)
         start, end = self.block
-        block = self.canvas[:, start:end]
-        columns = self.columns
+        had_masks = (self.canvas[:, start:end] == self.mask_id).any(-1)
+        candidates, confidence = self.scores(logits, self.columns)
+        self.step(self.canvas, candidates, confidence, self.step_idx)
+        self.row_nfe += had_masks  # a pass that unmasks nothing is still one the row needs
+        self.step_idx, self.nfe = self.step_idx + 1, self.nfe + 1
+        self._advance()
+        return self._output()
+
+    def scores(self, logits: torch.Tensor, columns: torch.Tensor, drawn_over=None,
+               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each block column's candidate token and confidence (B, block_length), -inf where the pass
+        gave no logits, from its logits (B, t, V) predicting the block's `columns`."""
+        p = self.params
+        start, _ = self.block
         logits = constrain_outputs(logits, (start - self.prompt_len + columns)[None], self.stop_ids, p.min_tokens,
-                                   self.first_allowed)
+                                   self._first_allowed(rows))
         tokens, scores = dream_scores(logits, p, self.mask_id, self.generator)  # (B, t) each
-        candidates = torch.zeros_like(block).index_copy_(1, columns, tokens)
-        confidence = torch.full(block.shape, float("-inf"), dtype=scores.dtype, device=block.device)
-        confidence.index_copy_(1, columns, scores)
+        shape = (tokens.shape[0], p.block_length)
+        candidates = tokens.new_zeros(shape).index_copy_(1, columns, tokens)
+        confidence = torch.full(shape, float("-inf"), dtype=scores.dtype, device=tokens.device)
+        return candidates, confidence.index_copy_(1, columns, scores)
+
+    def step(self, canvas: torch.Tensor, candidates: torch.Tensor, confidence: torch.Tensor,
+             step_idx: int | torch.Tensor) -> torch.Tensor:
+        """One of Dream's steps on `canvas` (B, L) in place (masked_diffusion.py's `step`); the chosen
+        positions (B, block_length)."""
+        p = self.params
+        start, end = self.block
+        block = canvas[:, start:end]
         is_masked = block == self.mask_id
         confidence = confidence.masked_fill(~is_masked, float("-inf"))
-        if self.is_block_sampler and self.step_idx == 0:
+        if self.is_block_sampler and isinstance(step_idx, int) and step_idx == 0:
             chosen = torch.zeros_like(is_masked)
             chosen[:, 0] = True  # Fast-dLLM: the block-start pass commits the block's first token
         elif p.policy.kind == "threshold" and self.is_block_sampler:
@@ -142,30 +163,30 @@ class DreamDecoder(DiffusionDecoder):
         elif self.is_quota:
             chosen = self._choose_quota(confidence)
         else:
-            chosen = self._choose_scheduled(confidence, is_masked)
+            chosen = self._choose_scheduled(confidence, is_masked, step_idx)
         chosen &= is_masked
         block.copy_(torch.where(chosen, candidates, block))
-        self.row_nfe += is_masked.any(-1)  # a pass that unmasks nothing is still one the row needs
-        self.step_idx, self.nfe = self.step_idx + 1, self.nfe + 1
         if p.early_stop and not p.ignore_eos:
-            fill_after_stop(self.completions, self.stop_ids, self.mask_id)
-        self._advance()
-        return self._output()
+            fill_after_stop(canvas[:, self.prompt_len:self.prompt_len + p.max_tokens], self.stop_ids, self.mask_id)
+        return chosen
 
-    def _choose_scheduled(self, confidence: torch.Tensor, is_masked: torch.Tensor) -> torch.Tensor:
+    def _choose_scheduled(self, confidence: torch.Tensor, is_masked: torch.Tensor,
+                          step_idx: int | torch.Tensor) -> torch.Tensor:
         """The linear-in-t schedule: int(masked * (1 - s/t)) per row, all at the last pass; `random`
-        (Dream's `origin`) reveals each mask with probability 1 - s/t instead."""
-        p, i = self.params, self.step_idx
-        is_last = i >= self.steps_per_block - 1
-        t, s = self.timesteps[min(i, self.steps_per_block - 1)], self.timesteps[min(i + 1, self.steps_per_block)]
-        fraction = 1 - s / t  # float32, as the reference
+        (Dream's `origin`) reveals each mask with probability 1 - s/t instead. `step_idx`: the
+        batch's step or each row's (B,); float32 as the reference either way."""
+        p, n = self.params, self.steps_per_block
+        i = torch.as_tensor(step_idx, device=is_masked.device).expand(confidence.shape[0])  # (B,)
+        timesteps = self.timesteps.to(is_masked.device)
+        is_last = i >= n - 1
+        fraction = 1 - timesteps[(i + 1).clamp(max=n)] / timesteps[i.clamp(max=n - 1)]  # (B,)
         num_masked = is_masked.sum(-1)  # (B,)
-        if p.remasking == "random":
-            if is_last:
+        if p.remasking == "random":  # (one batch step: the reference draws nothing at its last pass)
+            if bool(is_last.all()):
                 return is_masked
             u = torch.rand(is_masked.shape, generator=self.generator, device=is_masked.device)
-            return is_masked & (u < fraction.to(is_masked.device))
-        counts = num_masked if is_last else (num_masked.float() * fraction.to(num_masked.device)).long()
+            return is_masked & (u < fraction[:, None])
+        counts = torch.where(is_last, num_masked, (num_masked.float() * fraction).long())
         if p.alg_temp:
             return self._sample_positions(confidence, counts)
         return self._top(confidence, counts)

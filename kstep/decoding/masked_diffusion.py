@@ -56,6 +56,7 @@ def fill_after_stop(completions: torch.Tensor, stop_ids: torch.Tensor, mask_id: 
 
 class DiffusionDecoder(Decoder):
     """Decodes one canvas batch (B rows with the same settings), block by block, one step per pass."""
+    logits_shift = 0  # a pass reads the block's predictions at [start, end) - shift (Dream's: 1)
 
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams):
         self.params = p = params
@@ -129,35 +130,55 @@ class DiffusionDecoder(Decoder):
 
     def update(self, logits: list[torch.Tensor]) -> StepOutput:
         """Apply one step given the logits ((B or 2B), t, V) of the masked block columns asked for."""
-        p = self.params
         [logits] = logits
-        if p.cfg_scale > 0:
-            cond, uncond = logits.chunk(2)
-            logits = uncond + (p.cfg_scale + 1) * (cond - uncond)
-        start, end = self.block
-        block = self.canvas[:, start:end]
-        columns = self.columns
-        # The mask token is never a candidate (a masked position must become a token); confidence is
-        # still scored on the unmodified logits, as the references do.
-        proposal = constrain_outputs(exclude_token(logits, self.mask_id), (start - self.prompt_len + columns)[None],
-                                     self.stop_ids, p.min_tokens, self.first_allowed)
-        picked = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, t)
-        picked_confidence = self.rule(logits, picked, self.generator, self.drawn_over)  # (B, t)
-        # Back to the whole block: positions without logits are unmasked already in every row.
-        candidates = torch.zeros_like(block).index_copy_(1, columns, picked)
-        confidence = torch.full(block.shape, float("-inf"), device=block.device).index_copy_(
-            1, columns, picked_confidence.float())
-        is_masked = block == self.mask_id
-        confidence = confidence.masked_fill(~is_masked, float("-inf"))
-        chosen = self.policy.choose(confidence, self.step_idx) & is_masked
-        block.copy_(torch.where(chosen, candidates, block))
-        self.row_nfe += chosen.any(-1)
+        candidates, confidence = self.scores(logits, self.columns, self.drawn_over)
+        self.row_nfe += self.step(self.canvas, candidates, confidence, self.step_idx).any(-1)
         self.step_idx, self.nfe = self.step_idx + 1, self.nfe + 1
-        if p.early_stop and not p.ignore_eos:
-            fill_after_stop(self.completions, self.stop_ids, self.mask_id)
         self._advance()
         return prefix_step_output(self, self.completions, self.committed, self.mask_id, self.stop_ids, self.row_nfe,
                                   self.include_canvas)
+
+    def scores(self, logits: torch.Tensor, columns: torch.Tensor, drawn_over=None,
+               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each block column's candidate token and confidence (B, block_length), -inf where the pass
+        gave no logits, from its logits ((B or 2B), t, V) of the block's `columns`."""
+        p = self.params
+        if p.cfg_scale > 0:
+            cond, uncond = logits.chunk(2)
+            logits = uncond + (p.cfg_scale + 1) * (cond - uncond)
+        start, _ = self.block
+        # The mask token is never a candidate (a masked position must become a token); confidence is
+        # still scored on the unmodified logits, as the references do.
+        proposal = constrain_outputs(exclude_token(logits, self.mask_id), (start - self.prompt_len + columns)[None],
+                                     self.stop_ids, p.min_tokens, self._first_allowed(rows))
+        picked = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, t)
+        picked_confidence = self.rule(logits, picked, self.generator, drawn_over)  # (B, t)
+        # Back to the whole block: positions without logits are unmasked already in every row.
+        shape = (picked.shape[0], p.block_length)
+        candidates = picked.new_zeros(shape).index_copy_(1, columns, picked)
+        confidence = torch.full(shape, float("-inf"), device=picked.device).index_copy_(1, columns,
+                                                                                        picked_confidence.float())
+        return candidates, confidence
+
+    def _first_allowed(self, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Token healing's first tokens of the logits' rows (`rows`: the batch rows they are of)."""
+        return self.first_allowed if rows is None or self.first_allowed is None else self.first_allowed[rows]
+
+    def step(self, canvas: torch.Tensor, candidates: torch.Tensor, confidence: torch.Tensor,
+             step_idx: int | torch.Tensor) -> torch.Tensor:
+        """One step of the block's schedule on `canvas` (B, L) in place, given its block's candidates
+        and confidence (B, block_length): the policy's choice among the masks, then early stop; the
+        chosen positions (B, block_length). `step_idx`: the batch's step in the block, or each row's
+        (B,) (self-speculation: rows advance apart)."""
+        start, end = self.block
+        block = canvas[:, start:end]
+        is_masked = block == self.mask_id
+        chosen = self.policy.choose(confidence.masked_fill(~is_masked, float("-inf")), step_idx) & is_masked
+        block.copy_(torch.where(chosen, candidates, block))
+        if self.params.early_stop and not self.params.ignore_eos:
+            fill_after_stop(canvas[:, self.prompt_len:self.prompt_len + self.params.max_tokens], self.stop_ids,
+                            self.mask_id)
+        return chosen
 
     def _advance(self) -> None:
         """Move past every block with no masks left (a block ends when it has none)."""

@@ -134,13 +134,27 @@ def choose_factor(confidence: torch.Tensor, factor: float) -> torch.Tensor:
 
 # --- The policies as strategies: choose(confidence, step_idx) -> (B, T) bool ----------------------
 
+def choose_counts(confidence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """choose_top with each row's own count (B,): rows of one count together, each with torch.topk of
+    exactly that many, so a row is ranked as it is alone (ties break the same way)."""
+    chosen = torch.zeros_like(confidence, dtype=torch.bool)
+    for k in counts.unique().tolist():
+        rows = counts == k
+        chosen[rows] = choose_top(confidence[rows], counts[rows], k)
+    return chosen
+
+
 class FixedSchedule:
     """LLaDA's linear schedule: the block's masks split evenly over its `value` steps (schedule.py)."""
 
     def __init__(self, steps_per_block: int, block_length: int):
         self.counts = num_transfer_tokens(torch.tensor([block_length]), steps_per_block)[0].tolist()
 
-    def choose(self, confidence: torch.Tensor, step_idx: int) -> torch.Tensor:
+    def choose(self, confidence: torch.Tensor, step_idx: int | torch.Tensor) -> torch.Tensor:
+        """`step_idx`: the batch's step, or each row's (B,) (self-speculation: rows advance apart)."""
+        if isinstance(step_idx, torch.Tensor):
+            counts = torch.tensor(self.counts, device=confidence.device)[step_idx.clamp(max=len(self.counts) - 1)]
+            return choose_counts(confidence, counts)
         k = self.counts[min(step_idx, len(self.counts) - 1)]
         return choose_top(confidence, torch.full((confidence.shape[0],), k, device=confidence.device), k)
 

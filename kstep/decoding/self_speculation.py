@@ -1,0 +1,140 @@
+"""Lossless self-speculative diffusion decoding (FreeDave, arXiv:2510.00294, cychomatica/FreeDave;
+SSD, arXiv:2510.04147): the exact sampler's output, token for token, in fewer sequential passes.
+
+The exact sampler (`exact`: no cache, the fixed schedule, greedy) takes one step per pass: the
+pass's predictions on the current canvas decide the step (which masks take which tokens). From one
+pass's predictions the next K steps are drafted as if the predictions would not change: draft 1 is
+the exact next canvas, draft k applies the schedule's step k to draft k-1 with the same stale
+predictions. One pass over the drafts (K canvases as K rows: the engine packs them with other
+requests' passes) gives each draft its own predictions, so the exact step from draft k is known,
+and draft k+1 is kept while it equals that step's result. The kept drafts are exactly the exact
+sampler's canvases, and the last kept one's predictions start the next round: a pass advances
+1 + (drafts kept) steps, at the price of K canvases' positions (on a bandwidth-bound GPU a pass of
+K canvases costs about one; on this CPU it costs about K).
+
+A draft that completes the block ends the chain and needs no verification of its own (the next
+block starts with a pass of its own, as in the exact sampler); a chain whose first draft completes
+the block is applied without a pass. Rows of a batch advance apart, each at its own step of the
+block, and the batch moves on once every row has finished the block. The step itself is the exact
+decoder's (`scores` and `step` of masked_diffusion.py / dream.py), so the two cannot drift apart.
+"""
+import torch
+
+from kstep.decoding.base import Decoder, prefix_step_output
+from kstep.decoding.masked_diffusion import DiffusionDecoder
+from kstep.outputs import StepOutput
+from kstep.runner.model_runner import ForwardPass, asking
+
+
+class SelfSpeculativeDecoder(Decoder):
+    def __init__(self, exact: DiffusionDecoder, num_draft_tokens: int):
+        self.exact, self.num_draft = exact, num_draft_tokens
+        B, device = exact.canvas.shape[0], exact.canvas.device
+        self.step_idx = torch.zeros(B, dtype=torch.long, device=device)  # each row's steps in the block
+        self.row_nfe = torch.zeros(B, dtype=torch.long, device=device)
+        self.chain: torch.Tensor | None = None  # (B, K, L) the drafts; None: the block starts with a pass
+        self.nfe, self.is_finished = 0, exact.is_finished
+        self.num_drafted = self.num_accepted = self.num_positions = 0
+
+    # --- the passes -------------------------------------------------------------------------------
+
+    def next_passes(self) -> list[ForwardPass]:
+        if self.is_finished:
+            return []
+        if self.chain is None:  # a block's first pass: the exact sampler's own
+            passes = self.exact.next_passes()
+        else:  # the drafts still masked somewhere in the block, one canvas row each
+            ex = self.exact
+            start, end = ex.block
+            shift = ex.logits_shift
+            rows = self.verified.nonzero()[:, 0]
+            key_mask = None if ex.key_mask is None else ex.key_mask[rows]
+            canvases = self.chain[self.verified]  # (R, L), row-major: a row's drafts in order
+            passes = asking([ex.runner.full_pass(canvases, key_mask, start - shift, end - shift)], ex.top)
+        self.num_positions += sum(p.num_tokens for p in passes)
+        return passes
+
+    def update(self, logits: list[torch.Tensor]) -> StepOutput:
+        [logits] = logits
+        ex, self.nfe = self.exact, self.nfe + 1
+        start, end = ex.block
+        if self.chain is None:
+            candidates, confidence = ex.scores(logits, ex.columns, getattr(ex, "drawn_over", None))
+            self.row_nfe += self._has_masks(ex.canvas)
+            self._draft(candidates, confidence, self._has_masks(ex.canvas))
+        else:
+            self.row_nfe += self.verified.any(-1)
+            rows = self.verified.nonzero()[:, 0]
+            self._verify(*ex.scores(logits, torch.arange(end - start, device=ex.canvas.device), rows=rows))
+        self._apply_lone_steps()
+        if not bool(self._has_masks(ex.canvas).any()):  # every row has finished the block
+            ex.step_idx = 0
+            ex._advance()
+            self.is_finished, self.chain = ex.is_finished, None
+            self.step_idx.zero_()
+        return prefix_step_output(self, ex.completions, ex.committed, ex.mask_id, ex.stop_ids, self.row_nfe,
+                                  ex.include_canvas)
+
+    # --- drafting and verifying -------------------------------------------------------------------
+
+    def _has_masks(self, canvas: torch.Tensor) -> torch.Tensor:
+        start, end = self.exact.block
+        return (canvas[..., start:end] == self.exact.mask_id).any(-1)
+
+    def _draft(self, candidates: torch.Tensor, confidence: torch.Tensor, rows: torch.Tensor) -> None:
+        """The chains of `rows` (B,) from their current canvas and its predictions (B, bs): up to K
+        steps with the same predictions, a chain ending at the draft that completes the block.
+        `in_chain` (B, K) marks the drafts; `verified` the ones a pass must run (not complete)."""
+        ex, K = self.exact, self.num_draft
+        canvas = ex.canvas.clone()
+        chain, in_chain = [], []
+        alive = rows.clone()
+        for k in range(K):
+            ex.step(canvas, candidates, confidence, self.step_idx + k)
+            chain.append(canvas.clone())
+            in_chain.append(alive)
+            alive = alive & self._has_masks(canvas)
+        self.chain = torch.stack(chain, 1)  # (B, K, L)
+        self.in_chain = torch.stack(in_chain, 1)  # (B, K)
+        self.verified = self.in_chain & self._has_masks(self.chain)
+
+    def _verify(self, candidates: torch.Tensor, confidence: torch.Tensor) -> None:
+        """Given each verified draft's predictions (R, bs): keep each row's drafts while the next one is
+        the exact step from the one before; the row's canvas becomes its last kept draft, whose
+        predictions start its next chain (none when that draft completes the block)."""
+        ex, (B, K, L) = self.exact, self.chain.shape
+        index = torch.full((B, K), -1, dtype=torch.long, device=self.chain.device)
+        index[self.verified] = torch.arange(int(self.verified.sum()), device=index.device)  # draft -> pass row
+        rows, ks = self.verified.nonzero(as_tuple=True)
+        targets = self.chain[self.verified].clone()  # (R, L)
+        ex.step(targets, candidates, confidence, self.step_idx[rows] + ks + 1)
+        exact_next = torch.zeros_like(self.chain)
+        exact_next[self.verified] = targets  # (B, K, L): the exact step from each verified draft
+        agrees = (exact_next[:, :-1] == self.chain[:, 1:]).all(-1) & self.in_chain[:, 1:] & self.verified[:, :-1]
+        kept = agrees.long().cumprod(-1).sum(-1)  # (B,) drafts kept beyond the first
+        live = self.in_chain[:, 0]
+        self.num_drafted += int((self.in_chain[:, 1:].sum(-1) * live).sum())
+        self.num_accepted += int((kept * live).sum())
+        last = self.chain[torch.arange(B, device=kept.device), kept]  # (B, L)
+        ex.canvas.copy_(torch.where(live[:, None], last, ex.canvas))
+        self.step_idx += torch.where(live, kept + 1, 0)
+        at = index[torch.arange(B, device=kept.device), kept]  # its pass row, -1 when it completed the block
+        more = live & (at >= 0)
+        take = at.clamp(min=0)
+        self._draft(candidates[take], confidence[take], more)
+
+    def _apply_lone_steps(self) -> None:
+        """A chain whose first draft completes the block needs no pass: apply it."""
+        lone = self.in_chain[:, 0] & ~self.verified[:, 0]
+        if bool(lone.any()):
+            self.exact.canvas.copy_(torch.where(lone[:, None], self.chain[:, 0], self.exact.canvas))
+            self.step_idx += lone.long()
+            self.in_chain = self.in_chain & ~lone[:, None]
+            self.verified = self.verified & ~lone[:, None]
+
+    def stats(self) -> dict[str, float]:
+        """Drafts kept over drafts offered, steps per pass, and positions computed per step."""
+        steps = self.num_accepted + self.nfe
+        return {"acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
+                "draft_passes": 0, "positions_computed": float(self.num_positions),
+                "steps_per_pass": steps / max(1, self.nfe)}

@@ -1,0 +1,114 @@
+"""Lossless self-speculation (`draft="self"`, kstep/decoding/self_speculation.py): token for token
+what `exact` gives, for every masked-diffusion family, in batches whose rows accept different
+lengths, over several blocks, with several tokens per step, every deterministic remasking rule, end
+tokens inside drafts, min_tokens and infilling; fewer sequential passes on the trained llada-coder;
+bad values refused naming the field (CLI exit 2, HTTP 400); served mixed with ordinary requests as
+each alone."""
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+import kstep
+from kstep.random_checkpoint import write_random_checkpoint
+from conftest import copy_checkpoint
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [21, 22]]
+SETTINGS = [  # every one runs as `exact` and as draft self with K = 2 and 5
+    {"max_tokens": 32},
+    {"max_tokens": 48, "block_length": 16},              # three blocks
+    {"max_tokens": 32, "steps": 16},                     # two tokens per step
+    {"max_tokens": 32, "remasking": "margin"},
+    {"max_tokens": 16, "min_tokens": 12},
+]
+EXTRA = {"llada": [{"max_tokens": 32, "steps": 32, "remasking": "entropy"}], "dream": [], "llada_moe": []}
+
+
+def same_as_exact(llm, prompts, settings, drafts=(2, 5), **kw) -> list[int]:
+    """Asserts draft self == exact for each K; returns the exact nfe and each K's."""
+    want = llm.generate(prompts, exact=True, **settings, **kw)
+    passes = [want[0].nfe]
+    for k in drafts:
+        got = llm.generate(prompts, draft="self", num_draft_tokens=k, **settings, **kw)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want], (settings, k)
+        assert [r.finish_reason for r in got] == [r.finish_reason for r in want], (settings, k)
+        passes.append(got[0].timings["batch_passes"])
+    return passes
+
+
+@pytest.mark.parametrize("family", ["llada", "llada_moe", "dream"])
+def test_self_speculation_gives_the_exact_tokens(tmp_path, family):
+    path = write_random_checkpoint(tmp_path / "ckpt", family=family, seed=3)
+    llm = kstep.load(path)
+    for settings in SETTINGS + EXTRA[family]:
+        same_as_exact(llm, PROMPTS, settings)
+    # an end token the model writes often: rows stop inside drafts, early stop fills the rest
+    ids = llm.generate(PROMPTS[:1], exact=True, max_tokens=32)[0].token_ids
+    stop = max(set(ids[4:]), key=ids[4:].count)
+    ended = kstep.load(copy_checkpoint(path, tmp_path / "eos", eos_token_id=stop))
+    assert any(r.finish_reason == "stop" for r in ended.generate(PROMPTS, exact=True, max_tokens=32))
+    same_as_exact(ended, PROMPTS, {"max_tokens": 32})
+
+
+def test_infilling_with_self_speculation(llada_path):
+    llm = kstep.load(llada_path)
+    same_as_exact(llm, [[5, 6, 7]], {"max_tokens": 16}, suffix=[30, 31, 32])
+
+
+def test_fewer_passes_on_the_trained_coder():
+    llm = kstep.load("llada-coder")
+    prompts = ["def is_palindrome(s):\n    \"\"\"Return True if s reads the same backwards.\"\"\"\n",
+               "class Stack:\n    def push(self, x):\n"]
+    exact, *speculative = same_as_exact(llm, prompts[:1], {"max_tokens": 64}, drafts=(4,))
+    assert speculative[0] < exact  # 64 passes for 64 tokens, fewer with drafts
+    same_as_exact(llm, prompts, {"max_tokens": 64}, drafts=(4,))  # rows that accept different lengths
+
+
+@pytest.mark.parametrize("settings, needle", [
+    ({"num_draft_tokens": 0}, "num_draft_tokens"),
+    ({"num_draft_tokens": 40}, "num_draft_tokens"),
+    ({"temperature": 0.5}, "temperature"),
+    ({"remasking": "random"}, "remasking"),
+    ({"cache": "dual"}, "cache"),
+    ({"cfg_scale": 0.5}, "cfg_scale"),
+])
+def test_bad_values_are_refused_naming_the_field(llada_path, settings, needle):
+    with pytest.raises(ValueError, match=needle):
+        kstep.load(llada_path).generate([[5, 6]], max_tokens=32, draft="self", **settings)
+
+
+def test_draft_self_needs_a_masked_diffusion_model(llama_path, sdar_path, llada_path):
+    for path, kind in ((llama_path, "autoregressive"), (sdar_path, "block-diffusion")):
+        with pytest.raises(ValueError, match=f"draft does not apply to a .* model \\({kind}\\)"):
+            kstep.load(path).generate([[5, 6]], max_tokens=8, draft="self")
+    with pytest.raises(ValueError, match="give draft 'self'"):
+        kstep.load(llada_path).generate([[5, 6]], max_tokens=32, num_draft_tokens=3)
+    done = subprocess.run([sys.executable, "-m", "kstep", "generate", "--prompt-ids", "5,6", "--model",
+                           str(llama_path), "--draft", "self"], capture_output=True, text=True)
+    assert done.returncode == 2 and "draft does not apply" in done.stderr, done.stderr
+
+
+def test_served_mixed_with_ordinary_requests_as_alone(llada_server):
+    requests = [{"prompt": "def f(x):", "draft": "self", "num_draft_tokens": 3, "max_tokens": 32},
+                {"prompt": "x = [", "exact": True, "max_tokens": 32},
+                {"prompt": "class A:", "max_tokens": 32},
+                {"prompt": "import os", "draft": "self", "max_tokens": 32}]
+    body = {"model": "tiny", "temperature": 0}
+
+    def post(h, r):
+        return h.post(llada_server + "/v1/completions", json={**body, **r})
+    with httpx.Client(timeout=60) as h:
+        alone = [post(h, r).json()["choices"][0]["text"] for r in requests]
+        exact = post(h, {**requests[0], "draft": None, "num_draft_tokens": None, "exact": True}).json()
+        assert exact["choices"][0]["text"] == alone[0]
+        bad = post(h, {**requests[0], "num_draft_tokens": 0})
+        assert bad.status_code == 400 and "num_draft_tokens" in bad.json()["error"]["message"]
+
+    async def together():
+        async with httpx.AsyncClient(timeout=60) as h:
+            return await asyncio.gather(*(post(h, r) for r in requests))
+    assert [r.json()["choices"][0]["text"] for r in asyncio.run(together())] == alone
+    assert json.dumps(alone)  # texts, not errors
