@@ -47,8 +47,10 @@ def add_knob_flags(parser: argparse.ArgumentParser, server_defaults: bool = Fals
 
 
 def knobs_given(args: argparse.Namespace) -> dict:
-    """The generation knobs set on the command line."""
-    return {f.name: getattr(args, f.name) for f in user_knobs() if getattr(args, f.name, None) is not None}
+    """The generation knobs set on the command line (a knob without a flag of its own is the
+    command's to map: `--draft` is a model to load, or the `draft` knob's "self")."""
+    return {f.name: getattr(args, f.name) for f in user_knobs()
+            if f.metadata["flag"] and getattr(args, f.name, None) is not None}
 
 
 def params_from_args(args: argparse.Namespace) -> GenerationParams:

@@ -5,16 +5,18 @@ from kstep.bench.decode import format_table, run_bench
 
 
 def test_bench_decode_measures_each_mode_against_exact(tmp_path, llada_path):
-    rows = run_bench([str(llada_path)], [32], 16, ["exact", "dual", "dual+threshold"], "cpu", "float32",
-                     tmp_path, max_cell_seconds=0.0, extrapolate=True, threads=1, include_large=False)
+    rows = run_bench([str(llada_path)], [32], 16, ["exact", "exact+self", "dual", "dual+threshold"], "cpu",
+                     "float32", tmp_path, max_cell_seconds=0.0, extrapolate=True, threads=1, include_large=False)
     by_mode = {r["mode"]: r for r in rows}
+    assert not by_mode["exact+self"]["extrapolated"] and by_mode["exact+self"]["nfe"] <= 32  # drafts: run in full
+    assert by_mode["exact+self"]["positions_computed"] > 0
     assert by_mode["exact"]["extrapolated"] and by_mode["dual"]["extrapolated"]
     assert not by_mode["dual+threshold"]["extrapolated"]  # adaptive cells always run in full
     assert by_mode["exact"]["nfe"] == 32 and by_mode["exact"]["speedup_vs_exact"] == 1.0
     assert 1 <= by_mode["dual+threshold"]["nfe"] <= 32
     assert all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     saved = json.loads((tmp_path / "bench_decode.json").read_text())
-    assert len(saved["rows"]) == 3
+    assert len(saved["rows"]) == 4
     assert "| dual |" in format_table(rows)
 
 

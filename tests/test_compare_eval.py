@@ -83,7 +83,7 @@ def test_generated_code_runs_sandboxed_in_a_subprocess():
 def test_default_settings_sweep_k_and_threshold():
     names = [s.name for s in default_settings(64, 32)]
     assert names == ["diffusion K=8", "diffusion K=16", "diffusion K=32", "diffusion K=64",
-                     "diffusion dual threshold=0.5", "diffusion dual threshold=0.7", "diffusion dual threshold=0.9",
+                     "diffusion K=64 + draft self", "diffusion dual threshold=0.5", "diffusion dual threshold=0.7", "diffusion dual threshold=0.9",
                      "ar"]
 
 
@@ -103,10 +103,15 @@ def test_block_settings_sweep_thresholds_and_block_lengths():
 def test_compare_and_eval_run_end_to_end(llada_path, llama_path, tmp_path):
     given = Device("given", 10.0, 0.05, "given")
     result = run_compare(str(llada_path), str(llama_path), ["def f(x):", "import os"], [8, 16],
-                         ["diffusion exact", "diffusion dual K=N/4", "ar"], 1, 8, "cpu", "float32", tmp_path, given)
+                         ["diffusion exact", "diffusion exact+self", "diffusion dual K=N/4", "ar"], 1, 8, "cpu",
+                         "float32", tmp_path, given)
     assert (tmp_path / "compare.png").stat().st_size > 0
     saved = json.loads((tmp_path / "compare.json").read_text())
-    assert len(saved["rows"]) == 6 and all(r["seconds"] > 0 and r["floor_seconds"] > 0 for r in saved["rows"])
+    assert len(saved["rows"]) == 8 and all(r["seconds"] > 0 and r["floor_seconds"] > 0 for r in saved["rows"])
+    exact, speculative = ([r for r in saved["rows"] if r["side"] == side] for side in ("diffusion exact",
+                                                                                    "diffusion exact+self"))
+    assert all(s["nfe"] <= e["nfe"] and s["canvases_per_pass"] >= 1 == e["canvases_per_pass"]
+               for e, s in zip(exact, speculative))
     quarter = [r for r in saved["rows"] if r["side"] == "diffusion dual K=N/4"]
     assert [r["nfe"] for r in quarter] == [2, 4]  # K = N/4 passes
     assert [r["nfe"] for r in saved["rows"] if r["side"] == "ar"] == [8, 16]
@@ -119,6 +124,10 @@ def test_compare_and_eval_run_end_to_end(llada_path, llama_path, tmp_path):
     assert (tmp_path / "quality_vs_nfe.png").stat().st_size > 0
     by_name = {r["setting"]: r for r in evaluated["results"]}
     assert by_name["diffusion K=2"]["mean_nfe"] == 2 and by_name["ar"]["prompts"] == 2
+    exact, speculative = by_name["diffusion K=16"], by_name["diffusion K=16 + draft self"]  # the same tokens
+    quality = ("parse_rate", "judge_nll", "distinct_ratio", "exact_match", "edit_distance", "pass_at_1", "samples")
+    assert [exact[k] for k in quality] == [speculative[k] for k in quality]
+    assert speculative["mean_nfe"] <= exact["mean_nfe"]
     assert all(r["pass_at_1"] is not None and r["edit_distance"] is not None for r in evaluated["results"])
 
 

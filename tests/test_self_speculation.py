@@ -5,7 +5,6 @@ tokens inside drafts, min_tokens and infilling; fewer sequential passes on the t
 bad values refused naming the field (CLI exit 2, HTTP 400); served mixed with ordinary requests as
 each alone."""
 import asyncio
-import json
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import pytest
 import kstep
 from kstep.random_checkpoint import write_random_checkpoint
 from conftest import copy_checkpoint
+from test_server import metric
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [21, 22]]
 SETTINGS = [  # every one runs as `exact` and as draft self with K = 2 and 5
@@ -101,7 +101,11 @@ def test_served_mixed_with_ordinary_requests_as_alone(llada_server):
     def post(h, r):
         return h.post(llada_server + "/v1/completions", json={**body, **r})
     with httpx.Client(timeout=60) as h:
-        alone = [post(h, r).json()["choices"][0]["text"] for r in requests]
+        answers = [post(h, r).json() for r in requests]
+        alone = [a["choices"][0]["text"] for a in answers]
+        usage = answers[0]["usage"]  # what the drafts saved and cost
+        assert usage["positions_computed"] > 0 and 0 <= usage["accepted_draft_tokens"] <= usage["draft_tokens"]
+        assert "draft_tokens" not in answers[1]["usage"]
         exact = post(h, {**requests[0], "draft": None, "num_draft_tokens": None, "exact": True}).json()
         assert exact["choices"][0]["text"] == alone[0]
         bad = post(h, {**requests[0], "num_draft_tokens": 0})
@@ -111,4 +115,4 @@ def test_served_mixed_with_ordinary_requests_as_alone(llada_server):
         async with httpx.AsyncClient(timeout=60) as h:
             return await asyncio.gather(*(post(h, r) for r in requests))
     assert [r.json()["choices"][0]["text"] for r in asyncio.run(together())] == alone
-    assert json.dumps(alone)  # texts, not errors
+    assert metric(llada_server, "kstep_draft_tokens_total", 'outcome="drafted"') >= 2 * usage["draft_tokens"]

@@ -27,8 +27,9 @@ def _add_decode(kinds) -> None:
                         help="a diffusion checkpoint or bundled name (repeat; default: the bundled `default`)")
     decode.add_argument("--lengths", default="64,256,1024", help="canvas lengths N, comma-separated")
     decode.add_argument("--block-length", type=int, default=32)
-    decode.add_argument("--modes", default="exact,prefix,dual,dual+threshold,threshold,threshold+commit-pass",
-                        help="each model runs those of its kind: LLaDA/Dream exact, prefix, dual, dual+threshold; "
+    decode.add_argument("--modes", default="exact,exact+self,prefix,dual,dual+threshold,threshold,threshold+commit-pass",
+                        help="each model runs those of its kind: LLaDA/Dream exact, exact+self (draft self, 4 "
+                             "drafts a pass; not on the random model), prefix, dual, dual+threshold; "
                              "block diffusion exact, threshold, threshold+commit-pass")
     decode.add_argument("--no-large", dest="large", action="store_false",
                         help="skip the ~110M random LLaDA-layout model")

@@ -57,6 +57,8 @@ class Side:
 
 SIDES = {
     "diffusion exact": Side("diffusion exact", DIFFUSION, {"exact": True}),
+    # the exact sampler's tokens in fewer passes, each pass verifying up to 4 drafted canvases
+    "diffusion exact+self": Side("diffusion exact+self", DIFFUSION, {"draft": "self", "num_draft_tokens": 4}),
     "diffusion dual+threshold": Side("diffusion dual+threshold", DIFFUSION, {"cache": "dual", "threshold": 0.9}),
     "diffusion dual K=N/4": Side("diffusion dual K=N/4", DIFFUSION, {"cache": "dual", "steps_per_token": 0.25}),
     # a block-diffusion model: its own block size, the exact cache of finished blocks; threshold is
@@ -99,8 +101,10 @@ def timed_generation(llm: LLM, prompt_ids: list[int], params: GenerationParams) 
             first = time.perf_counter() - start
     runner.synchronize()
     seconds = time.perf_counter() - start
+    canvas = len(prompt_ids) + params.max_tokens
+    canvases = decoder.stats().get("positions_computed", decoder.nfe * canvas) / canvas  # draft self: > nfe
     return {"seconds": seconds, "ttft": first if first is not None else seconds, "nfe": decoder.nfe,
-            "tokens": out.committed_lengths[0]}
+            "tokens": out.committed_lengths[0], "canvases_per_pass": canvases / max(1, decoder.nfe)}
 
 
 def profile_generation(llm: LLM, prompt_ids: list[int], params: GenerationParams) -> dict:
@@ -133,7 +137,7 @@ def profile_generation(llm: LLM, prompt_ids: list[int], params: GenerationParams
 
 
 def floor_cost(llm: LLM, side: Side, prompt_len: int, n: int, passes: float, block_length: int,
-               dtype_bytes: int) -> PassCost:
+               dtype_bytes: int, canvases_per_pass: float = 1.0) -> PassCost:
     if not side.is_diffusion:
         return ar_cost(llm.cfg, prompt_len, n, dtype_bytes)
     if side.kind == UNIFORM_DIFFUSION:
@@ -141,7 +145,8 @@ def floor_cost(llm: LLM, side: Side, prompt_len: int, n: int, passes: float, blo
     params = llm.resolve(params_for(side, n, block_length))
     if side.kind == BLOCK_DIFFUSION:
         return block_diffusion_cost(llm.cfg, prompt_len, n, passes, min(params.block_length, n), dtype_bytes)
-    return diffusion_cost(llm.cfg, prompt_len, n, passes, min(params.block_length, n), params.cache, dtype_bytes)
+    return diffusion_cost(llm.cfg, prompt_len, n, passes, min(params.block_length, n), params.cache, dtype_bytes,
+                          canvases_per_pass)
 
 
 def interpolate_crossover(ns: list[float], ratio: list[float]) -> float | None:
@@ -188,13 +193,14 @@ def run_compare(diffusion_model: str, ar_model: str, prompts: list[str], lengths
                 for ids in encoded[side.is_diffusion] for _ in range(repeats)]
         prompt_len = round(statistics.mean(len(ids) for ids in encoded[side.is_diffusion]))
         nfe = statistics.mean(r["nfe"] for r in runs)
+        canvases = statistics.mean(r["canvases_per_pass"] for r in runs)
         seconds = statistics.median(r["seconds"] for r in runs)
-        cost = floor_cost(llm, side, prompt_len, n, nfe, block_length, dtype_bytes)
+        cost = floor_cost(llm, side, prompt_len, n, nfe, block_length, dtype_bytes, canvases)
         floor = cost.floor_seconds(here)
         rows.append({"side": side.name, "n": n, "seconds": seconds, "ttft_seconds": statistics.median(
             r["ttft"] for r in runs), "nfe": nfe, "tokens_per_pass": n / nfe, "tokens_per_s": n / seconds,
             "floor_seconds": floor, "measured_over_floor": seconds / floor, "prompt_tokens": prompt_len,
-            "samples": len(runs)})
+            "samples": len(runs), "canvases_per_pass": canvases})
         tqdm.write(format_row(rows[-1]))
     profiles = {}
     n_profile = min(64, max(lengths))
@@ -225,10 +231,12 @@ def predict(models: dict, sides: list[Side], rows: list[dict], block_length: int
         per_side = {}
         for side in sides:
             measured = {r["n"]: r["nfe"] for r in rows if r["side"] == side.name}
+            canvases = {r["n"]: r["canvases_per_pass"] for r in rows if r["side"] == side.name}
             prompt_len = next(r["prompt_tokens"] for r in rows if r["side"] == side.name)
             llm = models[side.is_diffusion]
             per_side[side.name] = [floor_cost(llm, side, prompt_len, n, passes_at(n, measured), block_length,
-                                              nbytes).floor_seconds(device) for n in GRID]
+                                              nbytes, passes_at(n, {m: c * m for m, c in canvases.items()}) / n
+                                              ).floor_seconds(device) for n in GRID]
         out[key] = {"device": device.name, "source": device.source, "n": GRID, "floor_seconds": per_side}
     return out
 

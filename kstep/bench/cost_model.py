@@ -106,12 +106,13 @@ def ar_cost(cfg: ModelConfig, prompt_len: int, n: int, dtype_bytes: int = 4) -> 
 
 
 def diffusion_cost(cfg: ModelConfig, prompt_len: int, n: int, passes: float, block_length: int, cache: str,
-                   dtype_bytes: int = 4) -> PassCost:
+                   dtype_bytes: int = 4, canvases_per_pass: float = 1.0) -> PassCost:
     """`passes` forward passes (K, may be a measured mean) decoding N tokens in blocks.
-    cache none: every pass is full; prefix: one full pass per block, the rest run [block, end);
-    dual: one full pass per block, the rest run the block alone."""
+    cache none: every pass is full, of `canvases_per_pass` canvases (self-speculation verifies
+    several: the weights are read once for all of them); prefix: one full pass per block, the rest
+    run [block, end); dual: one full pass per block, the rest run the block alone."""
     length, blocks = prompt_len + n, max(1, n // block_length)
-    full = pass_cost(cfg, length, length, block_length, dtype_bytes=dtype_bytes)
+    full = pass_cost(cfg, length, length, block_length, canvases_per_pass, dtype_bytes=dtype_bytes)
     if cache == "none":
         return PassCost(*(passes * x for x in (full.flops, full.bytes, full.attention_flops, full.head_flops)))
     num_full = min(passes, blocks)

@@ -36,9 +36,11 @@ class Mode:
     cache: str
     threshold: float | None = None
     early_stop: bool = False
+    drafts: int = 0  # draft self: the exact sampler's tokens, this many steps drafted per pass
 
 
-MODES = {"exact": Mode("exact", "none"), "prefix": Mode("prefix", "prefix"), "dual": Mode("dual", "dual"),
+MODES = {"exact": Mode("exact", "none"), "exact+self": Mode("exact+self", "none", drafts=4),
+         "prefix": Mode("prefix", "prefix"), "dual": Mode("dual", "dual"),
          "dual+threshold": Mode("dual+threshold", "dual", 0.9, early_stop=True)}
 # Block diffusion: the settings each mode passes on top of max_tokens = min_tokens = N.
 BLOCK_MODES = {"exact": {"exact": True}, "threshold": {}, "threshold+commit-pass": {"fused_commit": False}}
@@ -110,13 +112,14 @@ def measure(model: Path, label: str, n: int, block: int, mode: Mode, prompt_ids:
             dtype: str, max_cell_seconds: float, extrapolate: bool, threads: int | None) -> dict:
     steps = n  # the fixed schedule at one token per pass: what the targets are measured against
     settings = dict(max_tokens=n, block_length=block, steps=steps, cache=mode.cache, threshold=mode.threshold,
-                    early_stop=mode.early_stop)
+                    early_stop=mode.early_stop, **({"draft": "self", "num_draft_tokens": mode.drafts} if mode.drafts
+                                                   else {}))
     warmup = dict(max_tokens=block, block_length=block, steps=block, cache=mode.cache)
     spec = dict(model=str(model), device=device, dtype=dtype, prompt_ids=prompt_ids, settings=settings,
                 threads=threads, warmup=warmup)
     row = dict(model=label, n=n, block_length=block, mode=mode.name, cache=mode.cache, threshold=mode.threshold,
                early_stop=mode.early_stop, extrapolated=False)
-    if extrapolate and mode.threshold is None:
+    if extrapolate and mode.threshold is None and not mode.drafts:
         # Without a cache every pass is the same full pass: one per block measures it.
         probe_steps = (1 if mode.cache == "none" else 2) * (n // block)
         probe = run_worker({**spec, "settings": {**settings, "steps": probe_steps}})
@@ -137,6 +140,7 @@ def measure(model: Path, label: str, n: int, block: int, mode: Mode, prompt_ids:
             "model_bytes": result["model_bytes"],
             "tokens_per_s": n / result["seconds"], "completion_tokens": result["completion_tokens"],
             "full_pass_seconds": result["timings"].get("full_pass_seconds"),
+            "positions_computed": result["timings"].get("positions_computed"),
             "window_pass_seconds": result["timings"].get("window_pass_seconds")}
 
 
@@ -155,7 +159,8 @@ def run_bench(models: list[str], lengths: list[int], block: int, modes: list[str
         if is_block_model(path):
             if mode in BLOCK_MODES:
                 rows.append(measure_block(path, label, n, mode, prompts[label], device, dtype, threads))
-        elif mode in MODES:
+        # draft self needs real confidences to draft from: not on the random-weight model
+        elif mode in MODES and not (MODES[mode].drafts and label == "random-110M"):
             rows.append(measure(path, label, n, block, MODES[mode], prompts[label], device, dtype, max_cell_seconds,
                                 extrapolate, threads))
     for row in rows:

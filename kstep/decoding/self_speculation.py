@@ -133,8 +133,7 @@ class SelfSpeculativeDecoder(Decoder):
             self.verified = self.verified & ~lone[:, None]
 
     def stats(self) -> dict[str, float]:
-        """Drafts kept over drafts offered, steps per pass, and positions computed per step."""
-        steps = self.num_accepted + self.nfe
+        """Drafts offered beyond each pass's exact step and those kept, and the positions computed."""
         return {"acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
-                "draft_passes": 0, "positions_computed": float(self.num_positions),
-                "steps_per_pass": steps / max(1, self.nfe)}
+                "drafted_tokens": self.num_drafted, "accepted_tokens": self.num_accepted,
+                "positions_computed": self.num_positions}

@@ -178,5 +178,6 @@ class SpeculativeDecoder(Decoder):
 
     def stats(self) -> dict[str, float]:
         return {"acceptance_rate": self.num_kept / self.num_proposed if self.num_proposed else 0.0,
+                "drafted_tokens": self.num_proposed, "accepted_tokens": self.num_kept,
                 "tokens_per_target_pass": sum(len(o) for o in self.out) / max(1, self.nfe) / len(self.out),
                 "draft_passes": self.drafter.num_passes}

@@ -93,6 +93,9 @@ class Engine:
         flat = [p for request_passes in passes for p in request_passes]
         logits = iter(execute_passes(flat))
         step_outputs = [r.decoder.update([next(logits) for _ in ps]) for r, ps in zip(batch, passes, strict=True)]
+        for r in batch:
+            if r.decoder.is_finished:  # before the scheduler drops the decoder
+                r.stats = r.decoder.stats()
         self.scheduler.update(batch, step_outputs)
         self._end_at_limits(batch)
         self._observe_plans(batch)
@@ -162,7 +165,8 @@ class Engine:
         # OpenAI counts the prompt once however many choices (n) it has
         return RequestOutput(request.request_id, choices, request.nfe, request.is_finished,
                              prompt_tokens=sum(len(p) for p in request.prompts),
-                             completion_tokens=sum(s.num_tokens for s in streams), limit=request.limit)
+                             completion_tokens=sum(s.num_tokens for s in streams), limit=request.limit,
+                             stats=request.stats if request.is_finished else {})
 
 
 def warm_up(llm: LLM) -> None:

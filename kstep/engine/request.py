@@ -30,6 +30,7 @@ class Request:
     limit: tuple[str, float] | None = None  # the server limit that ended it (name, value), if one did
     ran_alone: bool = True           # no other request shared its steps (a time budget's outcome then counts)
     decoder: Any = None              # created when the request is admitted; dropped when it finishes
+    stats: dict = field(default_factory=dict)  # its decoder's figures, kept when it finishes (Decoder.stats)
     is_aborted: bool = False
     is_finished: bool = False
     output_ids: list[list[int]] = field(default_factory=list)  # per row, the committed tokens so far
@@ -81,3 +82,4 @@ class RequestOutput:
     error_status: int = 500          # ... its HTTP status: 500, or 503 when the server is shutting down
     error_code: str = "engine_error"
     limit: tuple[str, float] | None = None  # the server limit (name, value) that ended the request
+    stats: dict = field(default_factory=dict)  # once finished: its decoder's figures (drafts, positions computed)

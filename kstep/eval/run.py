@@ -1,5 +1,6 @@
 """`kstep eval`: what K costs in quality. For each decoding setting (diffusion with K = N/8, N/4,
-N/2, N passes; diffusion with the dual cache and a confidence threshold; AR at the same N), greedy
+N/2, N passes; K = N's tokens in fewer passes by self-speculation; diffusion with the dual cache and
+a confidence threshold; AR at the same N), greedy
 completions of a prompt set and their quality: parse rate, an AR judge's NLL of the completion
 (generative perplexity), distinct-token ratio, exact match / edit distance to the held-out body,
 and pass@1 when the prompts carry HumanEval tests (run in a sandboxed subprocess, never here)."""
@@ -37,6 +38,9 @@ def default_settings(n: int, block_length: int, thresholds=(0.5, 0.7, 0.9)) -> l
         steps = max(blocks, (n // divisor) // blocks * blocks)
         out.append(Setting(f"diffusion K={steps}", "diffusion K", True,
                            {"steps": steps, "block_length": block, "cache": "none"}))
+    # K = N's tokens by construction (lossless self-speculation), in fewer passes
+    out.append(Setting(f"diffusion K={n} + draft self", "diffusion self-speculation", True,
+                       {"steps": n, "block_length": block, "draft": "self", "num_draft_tokens": 4}))
     for tau in thresholds:
         out.append(Setting(f"diffusion dual threshold={tau}", "diffusion threshold", True,
                            {"block_length": block, "cache": "dual", "threshold": tau}))

@@ -39,6 +39,8 @@ class Metrics:
         self.prefix_bytes = Gauge("kstep_prefix_cache_bytes", "Bytes held by the prefix cache", m, registry=r)
         self.expert_pairs = Gauge("kstep_expert_pairs", "Expert parallel: (token, expert) pairs each rank's experts "
                                   "have run, over every MoE layer", ["model", "rank"], registry=r)
+        self.draft_tokens = Counter("kstep_draft_tokens", "Speculation (a draft model, ngram, or draft self): tokens "
+                                    "(steps) drafted, and those kept", ["model", "outcome"], registry=r)
         self.request_seconds = Histogram("kstep_request_seconds", "Request latency, arrival to last byte", m,
                                          buckets=LATENCY_BUCKETS, registry=r)
 
@@ -81,6 +83,12 @@ class ModelMetrics:
     def observe_request(self, status: str, prompt_tokens: int = 0, completion_tokens: int = 0, nfe: int = 0,
                         seconds: float | None = None) -> None:
         self.metrics.observe_request(self.model, status, prompt_tokens, completion_tokens, nfe, seconds)
+
+    def observe_drafts(self, stats: dict) -> None:
+        """A finished request's drafts (its decoder's stats), if it speculated."""
+        if "drafted_tokens" in stats:
+            self.metrics.draft_tokens.labels(self.model, "drafted").inc(stats["drafted_tokens"])
+            self.metrics.draft_tokens.labels(self.model, "accepted").inc(stats["accepted_tokens"])
 
     def observe_ttft(self, seconds: float) -> None:
         self.metrics.ttft.labels(self.model).observe(seconds)

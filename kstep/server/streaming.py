@@ -49,6 +49,10 @@ class Stream:
                  "total_tokens": out.prompt_tokens + out.completion_tokens, "nfe": out.step}
         if out.limit is not None:  # a server limit ended it (finish_reason "length"): which one
             usage["server_limit"], usage["server_limit_value"] = out.limit
+        if "drafted_tokens" in out.stats:  # speculation: what the drafts saved, and what they cost
+            usage.update(draft_tokens=out.stats["drafted_tokens"], accepted_draft_tokens=out.stats["accepted_tokens"])
+        if "positions_computed" in out.stats:
+            usage["positions_computed"] = out.stats["positions_computed"]
         if self.request.plan is not None:  # a time budget: what was planned, beside what happened
             usage.update(time_budget=self.request.params.time_budget, planned_passes=self.request.plan.passes,
                          predicted_seconds=round(self.request.plan.predicted_seconds, 6))
@@ -71,6 +75,7 @@ class Stream:
     def _observe_finish(self, metrics: ModelMetrics, out: RequestOutput) -> None:
         metrics.observe_request("200", out.prompt_tokens, out.completion_tokens, out.step,
                                 time.monotonic() - self.request.arrival_time)
+        metrics.observe_drafts(out.stats)
         if self.first_token_time is not None:
             metrics.observe_ttft(self.first_token_time - self.request.arrival_time)
 
