@@ -105,7 +105,7 @@ class LLM:
     def resolve(self, params: GenerationParams) -> GenerationParams:
         """`params` resolved for this model's family (raises ValueError naming a bad knob)."""
         checkpoint = dict(self.checkpoint_defaults)
-        if params.exact or params.steps is not None or params.factor is not None:
+        if params.exact or params.draft or params.steps is not None or params.factor is not None:
             for knob in ("threshold", "editing_threshold", "max_post_steps"):
                 checkpoint.pop(knob, None)  # the request chose another unmask policy
         block = params.block_length or self.cfg.block_size

@@ -122,9 +122,9 @@ class GenerationParams:
     min_tokens: int = knob(0, "no end-of-sequence or stop token among the first N tokens (vLLM's min_tokens)")
     num_draft_tokens: int | None = knob(None, "draft tokens per target pass with a draft loaded (diffusion with draft "
                                               f"self: drafted steps per pass; default {DEFAULT_NUM_DRAFT_TOKENS}; 0 "
-                                              "turns it off)", (AUTOREGRESSIVE, DIFFUSION))
+                                              "turns it off)", (AUTOREGRESSIVE, *DENOISING))
     draft: str | None = knob(None, "self: lossless self-speculation, the exact sampler's tokens in fewer passes "
-                                   "(num_draft_tokens steps drafted per pass)", (DIFFUSION,), (SELF_DRAFT,), flag=False)
+                                   "(num_draft_tokens steps drafted per pass)", DENOISING, (SELF_DRAFT,), flag=False)
     time_budget: float | None = knob(None, "seconds the completion may take: the passes are chosen to fit, from "
                                            "this device's measured pass costs (diffusion: fewer passes; AR: fewer "
                                            "tokens)", server_default=False)
@@ -217,7 +217,8 @@ class GenerationParams:
         block; `exact`: one token per pass (steps = block_length)."""
         if self.block_length is None:
             raise ValueError("block_length: a block-diffusion model needs its block size (from its config)")
-        if self.remasking == "entropy" and self.steps is None and not self.exact:
+        exact = self.exact or self.draft == SELF_DRAFT  # self-speculation is the exact sampler's, in fewer passes
+        if self.remasking == "entropy" and self.steps is None and not exact:
             raise ValueError("remasking 'entropy' scores negative entropy, which a threshold cannot compare: "
                              "give steps (a fixed schedule)")
         if self.cache == "prefix":
@@ -228,13 +229,13 @@ class GenerationParams:
             raise ValueError(f"sub_block_length ({sub}) must divide block_length ({self.block_length})")
         if self.editing_threshold is None and self.max_post_steps is not None:
             raise ValueError("max_post_steps counts token-editing passes: give editing_threshold too")
-        if self.editing_threshold is not None and (self.exact or self.steps is not None):
+        if self.editing_threshold is not None and (exact or self.steps is not None):
             raise ValueError("editing_threshold: token editing unmasks by threshold, at least one per pass "
                              "(LLaDA2.1): it takes no exact or steps")
-        steps = self.block_length if self.exact else self.steps
+        steps = self.block_length if exact else self.steps
         if steps is not None and steps > self.block_length:
             raise ValueError(f"steps ({steps}) per block exceeds block_length ({self.block_length})")
-        if self.threshold is not None or (steps is None and not self.exact):
+        if self.threshold is not None or (steps is None and not exact):
             policy = UnmaskPolicy("threshold", DEFAULT_THRESHOLD if self.threshold is None else self.threshold)
         else:
             policy = UnmaskPolicy("fixed", steps)
@@ -242,8 +243,10 @@ class GenerationParams:
         post = None if self.editing_threshold is None else check_pass_bound(
             "max_post_steps", DEFAULT_MAX_POST_STEPS if self.max_post_steps is None else self.max_post_steps,
             self.block_length, f"a block of {self.block_length}", DEFAULT_MAX_POST_STEPS)
+        drafts = check_self_speculation(self, steps or self.block_length, DEFAULT_NUM_DRAFT_TOKENS)
         return replace(self, steps=steps, threshold=threshold, policy=policy, sub_block_length=sub, max_post_steps=post,
-                       fused_commit=self.fused_commit and not self.exact, cache=self.cache or "none", is_resolved=True)
+                       fused_commit=self.fused_commit and not exact, cache=self.cache or "none", exact=exact,
+                       num_draft_tokens=drafts, is_resolved=True)
 
     def _resolve_diffusion(self, whole_canvas_reference: bool) -> "GenerationParams":
         """Defaults: the dual cache, and the 0.9 confidence threshold unless `steps` or `factor`
@@ -280,10 +283,7 @@ class GenerationParams:
             policy = UnmaskPolicy("fixed", steps // num_blocks)
         if whole_canvas_reference:
             check_dream_schedule(cache, policy.kind, block, steps // num_blocks)
-        drafts = None if self.draft is None else check_self_speculation(self, steps // num_blocks,
-                                                                        DEFAULT_NUM_DRAFT_TOKENS)
-        if self.draft is None and self.num_draft_tokens:
-            raise ValueError("num_draft_tokens: a diffusion model drafts for itself: give draft 'self' too")
+        drafts = check_self_speculation(self, steps // num_blocks, DEFAULT_NUM_DRAFT_TOKENS)
         threshold = policy.value if policy.kind == "threshold" else None
         return replace(self, block_length=block, steps=steps, cache=cache, threshold=threshold, policy=policy,
                        exact=exact, num_draft_tokens=drafts, is_resolved=True)

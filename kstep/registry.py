@@ -5,7 +5,8 @@ file in models/ and a decoder in decoding/ (or a reused one).
     family   layout (models/)   attention       kind            decoder (decoding/)
     llada    llada.py           bidirectional   diffusion       masked_diffusion.DiffusionDecoder
     dream    dream.py           bidirectional   diffusion       dream.DreamDecoder
-             (llada, llada_moe, dream with draft "self": self_speculation.SelfSpeculativeDecoder around it)
+             (llada, llada_moe, dream with draft "self": self_speculation.SelfSpeculativeDecoder around it;
+              the block families: block_self_speculation.BlockSelfSpeculativeDecoder)
     fast_dllm_v2  fast_dllm_v2.py  block_causal  block-diffusion  block_diffusion.BlockDiffusionDecoder (shifted)
     sdar     sdar.py            block_causal    block-diffusion block_diffusion.BlockDiffusionDecoder
     llada2_moe  llada2_moe.py   block_causal    block-diffusion block_diffusion.BlockDiffusionDecoder (+ token editing)
@@ -23,6 +24,7 @@ from kstep.decoding.autoregressive import AutoregressiveDecoder
 from kstep.decoding.base import DecodeBatch, Decoder
 from kstep.decoding.block_cache import BlockCacheDecoder
 from kstep.decoding.block_diffusion import BlockDiffusionDecoder, BlockRules
+from kstep.decoding.block_self_speculation import BlockSelfSpeculativeDecoder
 from kstep.decoding.dream import DreamDecoder
 from kstep.decoding.masked_diffusion import DiffusionDecoder
 from kstep.decoding.self_speculation import SelfSpeculativeDecoder
@@ -81,7 +83,7 @@ class Family:
         defaults = {"block_length": block}
         if self.sub_block_length and block % self.sub_block_length == 0:
             defaults["sub_block_length"] = self.sub_block_length
-        if self.threshold is not None and not params.exact:
+        if self.threshold is not None and not (params.exact or params.draft):
             defaults["threshold"] = self.threshold
         return defaults
 
@@ -101,7 +103,8 @@ def _diffusion(cls) -> DecoderFactory:
 def _block(rules: BlockRules) -> DecoderFactory:
     def make(runner, batch, params, resources):
         cls = BlockCacheDecoder if params.cache == "dual" else BlockDiffusionDecoder  # Fast-dLLM v2's block cache
-        return cls(runner, batch, params, rules, resources.prefix_cache)
+        decoder = cls(runner, batch, params, rules, resources.prefix_cache)
+        return BlockSelfSpeculativeDecoder(decoder, params.num_draft_tokens) if params.draft == SELF_DRAFT else decoder
     return make
 
 

@@ -51,10 +51,14 @@ def check_dream_schedule(cache: str, policy: str, block: int, steps_per_block: i
                          f"must be a multiple of the steps per block ({steps_per_block})")
 
 
-def check_self_speculation(params, steps_per_block: int, default_drafts: int) -> int:
-    """The drafts per pass of a `draft="self"` request (decoding/self_speculation.py): lossless only
-    where the exact sampler is deterministic (greedy, a score that is not random); a ValueError
-    naming the field otherwise."""
+def check_self_speculation(params, steps_per_block: int, default_drafts: int) -> int | None:
+    """The drafts per pass of a `draft="self"` request (decoding/self_speculation.py), None without
+    one: lossless only where the exact sampler is deterministic (greedy, a score that is not
+    random); a ValueError naming the field otherwise."""
+    if params.draft is None:
+        if params.num_draft_tokens:
+            raise ValueError("num_draft_tokens: a diffusion model drafts for itself: give draft 'self' too")
+        return None
     refused = {"temperature": params.temperature != 0, "remasking": params.remasking == "random",
                "cfg_scale": params.cfg_scale != 0, "alg_temp": bool(params.alg_temp),
                "time_budget": params.time_budget is not None}

@@ -154,7 +154,7 @@ def test_engine_packs_block_requests_and_streams_the_committed_prefix(v2_path):
 
 def test_bench_compare_sides_follow_the_model_kind(v2_path):
     from kstep.bench.compare import SIDES, default_sides, params_for
-    assert default_sides("block-diffusion") == ["block exact", "block threshold", "ar"]
+    assert default_sides("block-diffusion") == ["block exact", "block exact+self", "block threshold", "ar"]
     assert "diffusion exact" in default_sides("diffusion") and "block exact" not in default_sides("diffusion")
     llm = kstep.load(v2_path)
     for name in ("block exact", "block threshold"):  # the model's own block size, no canvas knobs

@@ -1,9 +1,9 @@
-"""Lossless self-speculation (`draft="self"`, kstep/decoding/self_speculation.py): token for token
-what `exact` gives, for every masked-diffusion family, in batches whose rows accept different
-lengths, over several blocks, with several tokens per step, every deterministic remasking rule, end
-tokens inside drafts, min_tokens and infilling; fewer sequential passes on the trained llada-coder;
-bad values refused naming the field (CLI exit 2, HTTP 400); served mixed with ordinary requests as
-each alone."""
+"""Lossless self-speculation (`draft="self"`, kstep/decoding/self_speculation.py and
+block_self_speculation.py): token for token what `exact` gives, for every masked- and
+block-diffusion family, in batches whose rows accept different lengths, over several blocks, with
+several tokens per step, every deterministic remasking rule, end tokens inside drafts, min_tokens
+and infilling; fewer sequential passes on the trained llada-coder and block coder; bad values
+refused naming the field (CLI exit 2, HTTP 400); served mixed with ordinary requests as each alone."""
 import asyncio
 import subprocess
 import sys
@@ -24,7 +24,8 @@ SETTINGS = [  # every one runs as `exact` and as draft self with K = 2 and 5
     {"max_tokens": 32, "remasking": "margin"},
     {"max_tokens": 16, "min_tokens": 12},
 ]
-EXTRA = {"llada": [{"max_tokens": 32, "steps": 32, "remasking": "entropy"}], "dream": [], "llada_moe": []}
+EXTRA = {"llada": [{"max_tokens": 32, "steps": 32, "remasking": "entropy"}]}
+BLOCK_SETTINGS = [{"max_tokens": 32}, {"max_tokens": 20, "remasking": "margin"}, {"max_tokens": 16, "min_tokens": 12}]
 
 
 def same_as_exact(llm, prompts, settings, drafts=(2, 5), **kw) -> list[int]:
@@ -39,18 +40,19 @@ def same_as_exact(llm, prompts, settings, drafts=(2, 5), **kw) -> list[int]:
     return passes
 
 
-@pytest.mark.parametrize("family", ["llada", "llada_moe", "dream"])
+@pytest.mark.parametrize("family", ["llada", "llada_moe", "dream", "sdar", "fast_dllm_v2", "llada2_moe"])
 def test_self_speculation_gives_the_exact_tokens(tmp_path, family):
     path = write_random_checkpoint(tmp_path / "ckpt", family=family, seed=3)
     llm = kstep.load(path)
-    for settings in SETTINGS + EXTRA[family]:
-        same_as_exact(llm, PROMPTS, settings)
+    drafts = (2, 5) if llm.kind == "diffusion" else (2, 3)  # the random block models' blocks are of 4
+    for settings in (SETTINGS + EXTRA.get(family, []) if llm.kind == "diffusion" else BLOCK_SETTINGS):
+        same_as_exact(llm, PROMPTS, settings, drafts)
     # an end token the model writes often: rows stop inside drafts, early stop fills the rest
     ids = llm.generate(PROMPTS[:1], exact=True, max_tokens=32)[0].token_ids
     stop = max(set(ids[4:]), key=ids[4:].count)
     ended = kstep.load(copy_checkpoint(path, tmp_path / "eos", eos_token_id=stop))
     assert any(r.finish_reason == "stop" for r in ended.generate(PROMPTS, exact=True, max_tokens=32))
-    same_as_exact(ended, PROMPTS, {"max_tokens": 32})
+    same_as_exact(ended, PROMPTS, {"max_tokens": 32}, drafts)
 
 
 def test_infilling_with_self_speculation(llada_path):
@@ -58,12 +60,13 @@ def test_infilling_with_self_speculation(llada_path):
     same_as_exact(llm, [[5, 6, 7]], {"max_tokens": 16}, suffix=[30, 31, 32])
 
 
-def test_fewer_passes_on_the_trained_coder():
-    llm = kstep.load("llada-coder")
+@pytest.mark.parametrize("model", ["llada-coder", "default"])
+def test_fewer_passes_on_the_trained_coders(model):
+    llm = kstep.load(model)
     prompts = ["def is_palindrome(s):\n    \"\"\"Return True if s reads the same backwards.\"\"\"\n",
                "class Stack:\n    def push(self, x):\n"]
     exact, *speculative = same_as_exact(llm, prompts[:1], {"max_tokens": 64}, drafts=(4,))
-    assert speculative[0] < exact  # 64 passes for 64 tokens, fewer with drafts
+    assert speculative[0] < exact  # one token per pass (and a commit pass a block), fewer with drafts
     same_as_exact(llm, prompts, {"max_tokens": 64}, drafts=(4,))  # rows that accept different lengths
 
 
@@ -80,8 +83,8 @@ def test_bad_values_are_refused_naming_the_field(llada_path, settings, needle):
         kstep.load(llada_path).generate([[5, 6]], max_tokens=32, draft="self", **settings)
 
 
-def test_draft_self_needs_a_masked_diffusion_model(llama_path, sdar_path, llada_path):
-    for path, kind in ((llama_path, "autoregressive"), (sdar_path, "block-diffusion")):
+def test_draft_self_needs_a_diffusion_model(llama_path, gemma_path, llada_path):
+    for path, kind in ((llama_path, "autoregressive"), (gemma_path, "uniform-diffusion")):
         with pytest.raises(ValueError, match=f"draft does not apply to a .* model \\({kind}\\)"):
             kstep.load(path).generate([[5, 6]], max_tokens=8, draft="self")
     with pytest.raises(ValueError, match="give draft 'self'"):

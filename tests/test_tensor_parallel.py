@@ -32,10 +32,10 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
 FAMILIES = {  # family: (checkpoint sizes, generation settings that show its decoding)
     "llama": ({"n_kv_heads": 1, "vocab_size": 503}, [{}, {"temperature": 0.8, "seed": 1}]),  # KV heads replicated
     "qwen2": ({}, [{}, {"temperature": 0.7, "top_k": 20, "seed": 2}]),
-    "llada": ({}, [{}, {"exact": True}, {"cache": "prefix", "threshold": 0.5}]),
+    "llada": ({}, [{}, {"exact": True}, {"cache": "prefix", "threshold": 0.5}, {"draft": "self"}]),
     "dream": ({}, [{"exact": True}, {}]),
     "fast_dllm_v2": ({}, [{}, {"cache": "dual"}]),
-    "sdar": ({}, [{}, {"steps": 2}]),
+    "sdar": ({}, [{}, {"steps": 2}, {"draft": "self", "num_draft_tokens": 3}]),  # drafts' KV rows copied
     "llada_moe": ({}, [{}, {"exact": True, "cfg_scale": 0.5}]),
     "llada2_moe": ({"n_layers": 3}, [{}, {"editing_threshold": 0.5, "max_post_steps": 4}]),
 }

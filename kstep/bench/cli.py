@@ -30,7 +30,7 @@ def _add_decode(kinds) -> None:
     decode.add_argument("--modes", default="exact,exact+self,prefix,dual,dual+threshold,threshold,threshold+commit-pass",
                         help="each model runs those of its kind: LLaDA/Dream exact, exact+self (draft self, 4 "
                              "drafts a pass; not on the random model), prefix, dual, dual+threshold; "
-                             "block diffusion exact, threshold, threshold+commit-pass")
+                             "block diffusion exact, exact+self, threshold, threshold+commit-pass")
     decode.add_argument("--no-large", dest="large", action="store_false",
                         help="skip the ~110M random LLaDA-layout model")
     add_device_flags(decode, threads=True)

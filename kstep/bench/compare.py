@@ -64,6 +64,7 @@ SIDES = {
     # a block-diffusion model: its own block size, the exact cache of finished blocks; threshold is
     # the checkpoint's default decoding (its generation_config.json threshold and sub-block, else 0.9)
     "block exact": Side("block exact", BLOCK_DIFFUSION, {"exact": True}),
+    "block exact+self": Side("block exact+self", BLOCK_DIFFUSION, {"draft": "self", "num_draft_tokens": 4}),
     "block threshold": Side("block threshold", BLOCK_DIFFUSION, {}),
     # a uniform-diffusion model (DiffusionGemma): its stopping rule (passes per canvas data-dependent), and
     # vLLM's benchmark setting (16 passes per canvas, never stopping early)
@@ -101,7 +102,9 @@ def timed_generation(llm: LLM, prompt_ids: list[int], params: GenerationParams) 
             first = time.perf_counter() - start
     runner.synchronize()
     seconds = time.perf_counter() - start
-    canvas = len(prompt_ids) + params.max_tokens
+    # what one pass computes: a canvas (masked diffusion), a block (block diffusion), a token (AR)
+    canvas = len(prompt_ids) + params.max_tokens if llm.kind == DIFFUSION else \
+        llm.resolve(params).block_length if llm.kind == BLOCK_DIFFUSION else 1
     canvases = decoder.stats().get("positions_computed", decoder.nfe * canvas) / canvas  # draft self: > nfe
     return {"seconds": seconds, "ttft": first if first is not None else seconds, "nfe": decoder.nfe,
             "tokens": out.committed_lengths[0], "canvases_per_pass": canvases / max(1, decoder.nfe)}
@@ -144,7 +147,8 @@ def floor_cost(llm: LLM, side: Side, prompt_len: int, n: int, passes: float, blo
         return uniform_diffusion_cost(llm.cfg, prompt_len, n, passes, dtype_bytes)
     params = llm.resolve(params_for(side, n, block_length))
     if side.kind == BLOCK_DIFFUSION:
-        return block_diffusion_cost(llm.cfg, prompt_len, n, passes, min(params.block_length, n), dtype_bytes)
+        return block_diffusion_cost(llm.cfg, prompt_len, n, passes, min(params.block_length, n), dtype_bytes,
+                                    canvases_per_pass)
     return diffusion_cost(llm.cfg, prompt_len, n, passes, min(params.block_length, n), params.cache, dtype_bytes,
                           canvases_per_pass)
 

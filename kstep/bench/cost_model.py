@@ -127,12 +127,14 @@ def diffusion_cost(cfg: ModelConfig, prompt_len: int, n: int, passes: float, blo
 
 
 def block_diffusion_cost(cfg: ModelConfig, prompt_len: int, n: int, passes: float, block_length: int,
-                         dtype_bytes: int = 4) -> PassCost:
+                         dtype_bytes: int = 4, blocks_per_pass: float = 1.0) -> PassCost:
     """A prompt prefill, then `passes` passes of one block (T = block_length) attending to the prompt,
     the finished blocks and itself: P + start + block positions, P + (N + block) / 2 on average. A
-    fused commit's pass also runs the finished block; counted as one block here, so this stays a floor."""
+    fused commit's pass also runs the finished block; counted as one block here, so this stays a floor.
+    `blocks_per_pass`: self-speculation's passes run several drafted blocks, each on its own cache row."""
     prefill = pass_cost(cfg, prompt_len, prompt_len, 1, dtype_bytes=dtype_bytes)
-    window = pass_cost(cfg, block_length, prompt_len + (n + block_length) / 2, block_length, dtype_bytes=dtype_bytes)
+    window = pass_cost(cfg, block_length, prompt_len + (n + block_length) / 2, block_length, blocks_per_pass,
+                       dtype_bytes=dtype_bytes)
     return prefill + PassCost(*(passes * x for x in (window.flops, window.bytes, window.attention_flops,
                                                      window.head_flops)))
 

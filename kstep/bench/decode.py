@@ -43,7 +43,8 @@ MODES = {"exact": Mode("exact", "none"), "exact+self": Mode("exact+self", "none"
          "prefix": Mode("prefix", "prefix"), "dual": Mode("dual", "dual"),
          "dual+threshold": Mode("dual+threshold", "dual", 0.9, early_stop=True)}
 # Block diffusion: the settings each mode passes on top of max_tokens = min_tokens = N.
-BLOCK_MODES = {"exact": {"exact": True}, "threshold": {}, "threshold+commit-pass": {"fused_commit": False}}
+BLOCK_MODES = {"exact": {"exact": True}, "exact+self": {"draft": "self", "num_draft_tokens": 4}, "threshold": {},
+               "threshold+commit-pass": {"fused_commit": False}}
 
 LARGE_CONFIG = dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, head_dim=64, ffn_dim=2048, vocab_size=16384)
 

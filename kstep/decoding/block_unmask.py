@@ -25,16 +25,21 @@ def open_columns(block: torch.Tensor, mask_id: int, sub_block: int) -> torch.Ten
     return (torch.arange(block.shape[1], device=block.device) // sub_block) == first[:, None]
 
 
-def unmask_block(block: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, count: torch.Tensor,
-                 params: GenerationParams, mask_id: int, rule: ConfidenceRule, generator: torch.Generator | None,
-                 editing: TokenEditing | None, editable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """block (B, bs) ids, logits (B, bs, V) predicting them, `rows` (B,) that step, `count` (B,) the
-    schedule's minimum, `editable` (B, bs) what token editing may replace -> (tokens (B, bs),
-    chosen (B, bs)): where the block takes `tokens`."""
+def block_scores(logits: torch.Tensor, params: GenerationParams, mask_id: int, rule: ConfidenceRule,
+                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits (B, bs, V) predicting a block -> each position's token, its probability and its
+    confidence (B, bs) (the probability, or another remasking rule's score)."""
     proposal = exclude_token(logits, mask_id)  # a masked position must become a token
     tokens = sample_tokens(proposal, params.temperature, generator, params.top_k, params.top_p)  # (B, bs)
     probs = sampled_probability(logits, tokens, params)  # (B, bs)
     confidence = probs if params.remasking == "low_confidence" else rule(logits, tokens, generator).float()
+    return tokens, probs, confidence
+
+
+def choose_in_block(block: torch.Tensor, confidence: torch.Tensor, rows: torch.Tensor, count: torch.Tensor,
+                    params: GenerationParams, mask_id: int) -> torch.Tensor:
+    """(B, bs) the masks a pass fills: among the open sub-block's, for `rows` (B,), every one above
+    the threshold when at least `count` (B,) are, else the `count` most confident."""
     is_masked = (block == mask_id) & open_columns(block, mask_id, params.sub_block_length) & rows[:, None]
     confidence = confidence.masked_fill(~is_masked, float("-inf"))
     count = torch.minimum(count, is_masked.sum(-1))
@@ -42,7 +47,17 @@ def unmask_block(block: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, 
     if params.policy.kind == "threshold":
         above = confidence > params.policy.value
         chosen = torch.where((above.sum(-1) >= count)[:, None], above, chosen)
-    chosen &= is_masked
+    return chosen & is_masked
+
+
+def unmask_block(block: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, count: torch.Tensor,
+                 params: GenerationParams, mask_id: int, rule: ConfidenceRule, generator: torch.Generator | None,
+                 editing: TokenEditing | None, editable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """block (B, bs) ids, logits (B, bs, V) predicting them, `rows` (B,) that step, `count` (B,) the
+    schedule's minimum, `editable` (B, bs) what token editing may replace -> (tokens (B, bs),
+    chosen (B, bs)): where the block takes `tokens`."""
+    tokens, probs, confidence = block_scores(logits, params, mask_id, rule, generator)
+    chosen = choose_in_block(block, confidence, rows, count, params, mask_id)
     if editing is not None:
         chosen |= editing.edits(block, tokens, probs, block == mask_id, editable, rows)
     return tokens, chosen

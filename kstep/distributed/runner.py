@@ -102,8 +102,11 @@ class MirroredPrefixCache(PrefixCache):
 
 
 def replay(ops: list, runner: ModelRunner, caches: dict[int, KVCache], prefix_caches: dict[int, PrefixCache]) -> None:
-    """A rank other than 0: rank 0's prefix-cache operations, on this rank's caches."""
+    """A rank other than 0: rank 0's prefix-cache operations and KV copies, on this rank's caches."""
     for op, cache_id, sizes, tokens, kv, arg in ops:
+        if op == "copy_kv":  # `tokens`: (rows from, rows to); `arg`: the cache copied into
+            runner.copy_kv(_local_kv(kv, runner, caches), _local_kv(arg, runner, caches), *tokens)
+            continue
         if cache_id not in prefix_caches:
             prefix_caches[cache_id] = PrefixCache(*sizes)
         getattr(prefix_caches[cache_id], op)(tokens, _local_kv(kv, runner, caches), arg)
@@ -131,6 +134,10 @@ class TensorParallelRunner(ModelRunner):
 
     def make_prefix_cache(self, budget_bytes: int, block_size: int) -> PrefixCache:
         return MirroredPrefixCache(self, budget_bytes, block_size)
+
+    def copy_kv(self, src: KVCache, dst: KVCache, src_rows: list[int], dst_rows: list[int]) -> None:
+        self.replayed.append(("copy_kv", None, None, (src_rows, dst_rows), _shared(src), _shared(dst)))
+        super().copy_kv(src, dst, src_rows, dst_rows)
 
     def expert_load(self) -> list[int] | None:
         """Per rank, the (token, expert) pairs its experts have run so far, over every MoE layer (rank

@@ -75,6 +75,13 @@ class ModelRunner:
         return [(torch.zeros(shape, device=self.device, dtype=self.dtype),
                  torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(self.cfg.n_layers)]
 
+    def copy_kv(self, src: KVCache, dst: KVCache, src_rows: list[int], dst_rows: list[int]) -> None:
+        """Copy rows of one KV cache into rows of another of the same length (every layer, every slot):
+        a block model's self-speculation gives each draft a row holding the prefix's keys."""
+        for (k, v), (dk, dv) in zip(src, dst):
+            dk[dst_rows] = k[src_rows]
+            dv[dst_rows] = v[src_rows]
+
     def make_prefix_cache(self, budget_bytes: int, block_size: int) -> PrefixCache:
         """A prefix cache for this model's requests (a tensor-parallel runner's is kept on every rank)."""
         return PrefixCache(budget_bytes, block_size)

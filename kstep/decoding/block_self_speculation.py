@@ -1,0 +1,187 @@
+"""Lossless self-speculation inside the blocks of a block-diffusion model (Fast-dLLM v2, SDAR,
+LLaDA2): the exact sampler's tokens (one step per pass in each block, the references' commit pass
+between blocks) in fewer sequential passes. The chain of drafts and its verification are
+self_speculation.py's; what differs is where a draft runs.
+
+A block's passes attend to the cached keys of the blocks before it. Each draft of a row gets a KV
+cache row of its own (`draft_kv`, K rows per batch row), holding a copy of the row's cache from when
+its block started (the prefix does not change while a block is denoised); a verification pass runs
+the K drafted blocks there, each exactly as the exact sampler's pass over that block would run
+(the same slots, the same mask). A row's block start (its first denoising pass) and its commit
+(the finished block's keys written into its own cache, and a shifted model's next first token) are
+the exact sampler's own passes, on the request's cache; a step may run both kinds of pass, one for
+some rows and one for others, packed by the engine.
+"""
+import torch
+
+from kstep.decoding.base import Decoder, prefix_step_output
+from kstep.decoding.block_diffusion import COMMIT, DENOISE, DONE, BlockDiffusionDecoder
+from kstep.decoding.block_unmask import block_scores, choose_in_block
+from kstep.decoding.sampling import constrain_outputs
+from kstep.outputs import StepOutput
+from kstep.runner.model_runner import ForwardPass, asking
+
+
+class BlockSelfSpeculativeDecoder(Decoder):
+    def __init__(self, exact: BlockDiffusionDecoder, num_draft_tokens: int):
+        self.exact, self.num_draft = exact, num_draft_tokens
+        B, bs, device = exact.canvas.shape[0], exact.params.block_length, exact.canvas.device
+        self.has_pred = torch.zeros(B, dtype=torch.bool, device=device)  # predictions of the current block
+        self.tokens = torch.zeros(B, bs, dtype=torch.long, device=device)
+        self.confidence = torch.zeros(B, bs, device=device)
+        self.verified = torch.zeros(B, num_draft_tokens, dtype=torch.bool, device=device)
+        self.draft_kv = None  # (B * K rows): allocated with the first drafts
+        self.kinds: list[str] = []
+        self.nfe, self.is_finished = 0, exact.is_finished
+        self.num_drafted = self.num_accepted = self.num_positions = 0
+
+    # --- the passes -------------------------------------------------------------------------------
+
+    def next_passes(self) -> list[ForwardPass]:
+        ex, passes, self.kinds = self.exact, [], []
+        if self.is_finished:
+            return []
+        active = ex.phase != DONE
+        if ex.needs_prefill or bool((active & ((ex.phase == COMMIT) | ~self.has_pred)).any()):
+            passes += ex.next_passes()  # the exact sampler's own: a prefill, block starts and commits
+            if not ex.needs_prefill:
+                passes[-1].logits_columns, ex.columns = None, None  # every position: drafts read the whole block
+            self.kinds.append("exact")
+        if bool(self.verified.any()):
+            passes.append(self._draft_pass())
+            self.kinds.append("drafts")
+        self.num_positions += sum(p.num_tokens for p in passes)
+        return passes
+
+    def _draft_pass(self) -> ForwardPass:
+        """The drafted blocks (B * K rows, row b's K drafts in order), each on its draft cache row as
+        the exact sampler's pass over that block runs on the row's own cache."""
+        ex, K, bs = self.exact, self.num_draft, self.exact.params.block_length
+        starts = (ex.pads + ex.block_starts).repeat_interleave(K)  # (B * K,)
+        positions = ex.block_starts.repeat_interleave(K)[:, None] + torch.arange(bs, device=starts.device)
+        forward = ex.runner.ragged_causal_pass(self.chain.reshape(-1, bs), positions, starts,
+                                               ex.real.repeat_interleave(K, 0), self.draft_kv, is_causal=False,
+                                               kind="block", block_size=bs)
+        return asking([forward], ex.top)[0]
+
+    def update(self, logits: list[torch.Tensor]) -> StepOutput:
+        ex, self.nfe = self.exact, self.nfe + 1
+        outputs = dict(zip(self.kinds, logits, strict=True))
+        if ex.needs_prefill:  # the prompt's blocks into the cache (and a shifted model's first token)
+            out = ex.update([outputs["exact"]])
+            self.is_finished = ex.is_finished
+            return out
+        if "drafts" in outputs:
+            ex.row_nfe += self.verified.any(-1)
+            self._verify(outputs["drafts"])
+        if "exact" in outputs:
+            self._exact_pass(outputs["exact"])
+        self._draft(ex.phase == DENOISE)
+        ex._update_phases()
+        self.has_pred &= ex.phase == DENOISE
+        self.verified &= self.has_pred[:, None]
+        self.is_finished = ex.is_finished
+        return prefix_step_output(self, ex._settled(), ex.lengths, ex.mask_id, ex.stop_ids, ex.row_nfe,
+                                  ex.include_canvas, finished=ex.phase == DONE, canvas=ex.completions())
+
+    def _exact_pass(self, logits: torch.Tensor) -> None:
+        """The exact sampler's pass (B, bs, V): commits for the rows that finished a block, and the
+        predictions of each block that starts (its prefix copied to the row's draft caches)."""
+        ex = self.exact
+        active = ex.phase != DONE
+        commit = active & (ex.phase == COMMIT)
+        starting = active & (ex.phase == DENOISE) & ~self.has_pred
+        ex.row_nfe += commit | starting
+        ex._commit(logits[:, -1], commit)
+        if not bool(starting.any()):
+            return
+        rows = torch.arange(len(starting), device=starting.device)
+        tokens, confidence = self._scores(ex._block_logits(logits, torch.zeros_like(ex.phase)), rows)
+        self.tokens[starting], self.confidence[starting] = tokens[starting], confidence[starting]
+        self.has_pred |= starting
+        K = self.num_draft
+        if self.draft_kv is None:
+            self.draft_kv = ex.runner.allocate_kv(len(starting) * K, ex.canvas.shape[1] + ex.spare_slots)
+        src = starting.nonzero()[:, 0].tolist()
+        ex.runner.copy_kv(ex.kv, self.draft_kv, [b for b in src for _ in range(K)],
+                          [b * K + k for b in src for k in range(K)])
+
+    # --- drafting and verifying -------------------------------------------------------------------
+
+    def _block_index(self, rows: torch.Tensor) -> torch.Tensor:
+        ex = self.exact
+        return (ex.pads + ex.block_starts)[rows, None] + torch.arange(ex.params.block_length, device=rows.device)
+
+    def _scores(self, block_logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and confidence (R, bs) from logits (R, bs, V) predicting the blocks of batch rows `rows`."""
+        ex, p = self.exact, self.exact.params
+        positions = ex.block_starts[rows, None] + torch.arange(p.block_length, device=rows.device)
+        allowed = None if ex.first_allowed is None else ex.first_allowed[rows]
+        block_logits = constrain_outputs(block_logits, positions - ex.prompt_lengths[rows, None], ex.stop_ids,
+                                         p.min_tokens, allowed)
+        tokens, _, confidence = block_scores(block_logits, p, ex.mask_id, ex.rule, ex.generator)
+        return tokens, confidence
+
+    def _step(self, blocks: torch.Tensor, tokens: torch.Tensor, confidence: torch.Tensor, passes: torch.Tensor,
+              live: torch.Tensor) -> torch.Tensor:
+        """The exact sampler's step on blocks (R, bs) at their passes in the block (R,), for `live` rows."""
+        ex = self.exact
+        count = torch.ones_like(passes) if ex.schedule is None else \
+            ex.schedule[passes.clamp(max=len(ex.schedule) - 1)]
+        chosen = choose_in_block(blocks, confidence, live, count, ex.params, ex.mask_id)
+        return torch.where(chosen, tokens, blocks)
+
+    def _has_masks(self, blocks: torch.Tensor) -> torch.Tensor:
+        return (blocks == self.exact.mask_id).any(-1)
+
+    def _draft(self, rows: torch.Tensor) -> None:
+        """Chains (B, K, bs) for `rows` that hold predictions of their block; a chain whose first
+        draft completes the block is applied at once (no pass)."""
+        ex, K = self.exact, self.num_draft
+        B = rows.shape[0]
+        index = self._block_index(torch.arange(B, device=rows.device))
+        block = ex.canvas.gather(1, index)
+        alive = rows & self.has_pred & self._has_masks(block)
+        chain, in_chain = [], []
+        for k in range(K):
+            block = self._step(block, self.tokens, self.confidence, ex.passes_in_block + k, alive)
+            chain.append(block)
+            in_chain.append(alive)
+            alive = alive & self._has_masks(block)
+        self.chain, self.in_chain = torch.stack(chain, 1), torch.stack(in_chain, 1)  # (B, K, bs), (B, K)
+        self.verified = self.in_chain & self._has_masks(self.chain)
+        lone = self.in_chain[:, 0] & ~self.verified[:, 0]
+        if bool(lone.any()):
+            current = ex.canvas.gather(1, index)
+            ex.canvas.scatter_(1, index, torch.where(lone[:, None], self.chain[:, 0], current))
+            ex.passes_in_block += lone.long()
+
+    def _verify(self, logits: torch.Tensor) -> None:
+        """Keep each row's drafts while the next one is the exact step from the one before; its block
+        becomes the last kept one, whose predictions start its next chain."""
+        ex, (B, K, bs) = self.exact, self.chain.shape
+        rows = torch.arange(B, device=logits.device).repeat_interleave(K)  # each pass row's batch row
+        tokens, confidence = self._scores(ex._block_logits(logits, torch.zeros_like(rows)), rows)
+        tokens, confidence = tokens.view(B, K, bs), confidence.view(B, K, bs)
+        passes = ex.passes_in_block[:, None] + torch.arange(1, K + 1, device=logits.device)  # (B, K)
+        exact_next = self._step(self.chain.reshape(-1, bs), tokens.reshape(-1, bs), confidence.reshape(-1, bs),
+                                passes.reshape(-1), self.verified.reshape(-1)).view(B, K, bs)
+        agrees = (exact_next[:, :-1] == self.chain[:, 1:]).all(-1) & self.in_chain[:, 1:] & self.verified[:, :-1]
+        kept = agrees.long().cumprod(-1).sum(-1)  # (B,) drafts kept beyond the first
+        live = self.in_chain[:, 0]
+        self.num_drafted += int((self.in_chain[:, 1:].sum(-1) * live).sum())
+        self.num_accepted += int((kept * live).sum())
+        b = torch.arange(B, device=kept.device)
+        index = self._block_index(b)
+        ex.canvas.scatter_(1, index, torch.where(live[:, None], self.chain[b, kept], ex.canvas.gather(1, index)))
+        ex.passes_in_block += torch.where(live, kept + 1, 0)
+        more = live & self.verified[b, kept]  # its last kept draft still has masks: its predictions go on
+        self.tokens = torch.where(more[:, None], tokens[b, kept], self.tokens)
+        self.confidence = torch.where(more[:, None], confidence[b, kept], self.confidence)
+        self.has_pred = (self.has_pred & ~live) | more
+
+    def stats(self) -> dict[str, float]:
+        """Drafts offered beyond each pass's exact step and those kept, and the positions computed."""
+        return {"acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
+                "drafted_tokens": self.num_drafted, "accepted_tokens": self.num_accepted,
+                "positions_computed": self.num_positions}
