@@ -12,7 +12,7 @@ are Dream's (`diffusion_generate`).
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
-from kstep.validation import MAX_SEED, check_int, check_number, check_pass_bound
+from kstep.validation import MAX_SEED, check_dream_schedule, check_int, check_number, check_pass_bound
 
 # The kinds of family: masked diffusion over a canvas (LLaDA, Dream), block diffusion (bidirectional
 # inside a block, causal across: Fast-dLLM v2, SDAR), autoregressive; uniform diffusion: canvases
@@ -20,6 +20,8 @@ from kstep.validation import MAX_SEED, check_int, check_number, check_pass_bound
 DIFFUSION, BLOCK_DIFFUSION, AUTOREGRESSIVE = "diffusion", "block-diffusion", "autoregressive"
 UNIFORM_DIFFUSION = "uniform-diffusion"
 GEMMA = ("diffusion_gemma",)
+# A tri-mode model's decodings (Nemotron-Labs-Diffusion), the first its default; Family.modes gives their kinds.
+TRI_MODE, MODES, SELF_SPECULATION = ("nemotron_labs_diffusion",), ("diffusion", "ar", "linear_spec"), "linear_spec"
 # transformers' DiffusionGemmaGenerationConfig defaults, where the checkpoint's generation_config.json has none
 UNIFORM_DEFAULTS = {"max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
                     "stability_threshold": 1, "confidence_threshold": 0.005}
@@ -63,6 +65,9 @@ class UnmaskPolicy:
 class GenerationParams:
     max_tokens: int = knob(128, "completion length (diffusion: the canvas size, LLaDA's gen_length)",
                            server_default=False, http=False)
+    mode: str | None = knob(None, "a tri-mode model's decoding: diffusion (blocks; the default), ar, linear_spec "
+                                  "(drafts its blocks bidirectionally, verifies them causally: the ar output)",
+                            TRI_MODE, MODES)
     temperature: float = knob(0.0, "0 is greedy", http=False)
     top_k: int | None = knob(None, "sample among the k most likely tokens")
     top_p: float | None = knob(None, "nucleus sampling: the smallest set with this much mass", http=False)
@@ -118,8 +123,8 @@ class GenerationParams:
     ignore_eos: bool = knob(False, "always produce max tokens: no stop at end-of-sequence")
     min_tokens: int = knob(0, "no end-of-sequence or stop token among the first N tokens (vLLM's min_tokens)")
     num_draft_tokens: int | None = knob(None, "draft tokens per target pass with a draft loaded "
-                                              f"(default {DEFAULT_NUM_DRAFT_TOKENS}; 0 turns it off)",
-                                        (AUTOREGRESSIVE,))
+                                              f"(default {DEFAULT_NUM_DRAFT_TOKENS}; linear_spec: the block "
+                                              "size - 1; 0 turns it off)", (AUTOREGRESSIVE,))
     time_budget: float | None = knob(None, "seconds the completion may take: the passes are chosen to fit, from "
                                            "this device's measured pass costs (diffusion: fewer passes; AR: fewer "
                                            "tokens)", server_default=False)
@@ -142,7 +147,7 @@ class GenerationParams:
         check_number("factor", self.factor, 0, exclusive_low=True)
         check_number("alg_temp", self.alg_temp, 0)
         check_number("eps", self.eps, 0, 1, exclusive_low=True)
-        check_int("num_draft_tokens", self.num_draft_tokens, 0, 16, "[0, 16]")
+        check_int("num_draft_tokens", self.num_draft_tokens, 0, 64, "[0, 64]")
         check_number("time_budget", self.time_budget, 0, exclusive_low=True)
         check_number("editing_threshold", self.editing_threshold, 0, 1, exclusive_low=True)
         check_int("max_post_steps", self.max_post_steps, 0)
@@ -154,10 +159,9 @@ class GenerationParams:
         for name in ("exact", "early_stop", "ignore_eos", "token_healing", "fused_commit"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name, allowed in (("remasking", REMASKING_RULES), ("cache", CACHE_MODES)):
-            value = getattr(self, name)
-            if value is not None and value not in allowed:
-                what = "a known unmask rule" if name == "remasking" else "a cache mode"
+        for name, allowed, what in (("remasking", REMASKING_RULES, "a known unmask rule"),
+                                    ("cache", CACHE_MODES, "a cache mode"), ("mode", MODES, "a decoding mode")):
+            if (value := getattr(self, name)) is not None and value not in allowed:
                 raise ValueError(f"{name} {value!r} is not {what} (choose from {', '.join(allowed)})")
         if (self.threshold is not None or self.factor is not None) and self.remasking == "entropy":
             raise ValueError("threshold and factor compare confidences with probabilities; remasking 'entropy' "
@@ -204,16 +208,6 @@ class GenerationParams:
             seed = 0 if filled.seed is None and filled.temperature == 0 else filled.seed
             return replace(filled, seed=seed, is_resolved=True)
         return self._resolve_diffusion(family in WHOLE_CANVAS_REFERENCE)
-
-    @staticmethod
-    def _check_dream_schedule(cache: str, policy: UnmaskPolicy, block: int, steps_per_block: int) -> None:
-        """Dream's two samplers' own arithmetic (decoding/dream.py)."""
-        if cache != "none" and policy.kind == "fixed" and steps_per_block < 2:
-            raise ValueError(f"steps gives {steps_per_block} pass per block: Dream's block sampler (cache "
-                             f"{cache}) needs at least 2 (its first pass commits one token)")
-        if cache == "none" and policy.kind == "threshold" and block % steps_per_block:
-            raise ValueError(f"a threshold without a cache is Dream's confidence_threshold: block_length ({block}) "
-                             f"must be a multiple of the steps per block ({steps_per_block})")
 
     def _resolve_block_diffusion(self) -> "GenerationParams":
         """Blocks are the checkpoint's (filled in from it when not given) and aligned to position 0,
@@ -283,7 +277,7 @@ class GenerationParams:
         else:
             policy = UnmaskPolicy("fixed", steps // num_blocks)
         if whole_canvas_reference:
-            self._check_dream_schedule(cache, policy, block, steps // num_blocks)
+            check_dream_schedule(cache, policy.kind, block, steps // num_blocks)
         threshold = policy.value if policy.kind == "threshold" else None
         return replace(self, block_length=block, steps=steps, cache=cache, threshold=threshold, policy=policy,
                        is_resolved=True)

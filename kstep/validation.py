@@ -39,3 +39,13 @@ def check_pass_bound(name: str, passes: int, positions: int, what: str, default:
         raise ValueError(f"{name} ({passes}) exceeds its limit of {limit}: at most {MAX_PASSES_PER_POSITION} "
                          f"passes per position of {what}")
     return passes
+
+
+def check_dream_schedule(cache: str, policy: str, block: int, steps_per_block: int) -> None:
+    """Dream's two samplers' own arithmetic (decoding/dream.py), for its resolved cache and unmask policy."""
+    if cache != "none" and policy == "fixed" and steps_per_block < 2:
+        raise ValueError(f"steps gives {steps_per_block} pass per block: Dream's block sampler (cache "
+                         f"{cache}) needs at least 2 (its first pass commits one token)")
+    if cache == "none" and policy == "threshold" and block % steps_per_block:
+        raise ValueError(f"a threshold without a cache is Dream's confidence_threshold: block_length ({block}) "
+                         f"must be a multiple of the steps per block ({steps_per_block})")

@@ -38,6 +38,7 @@ FAMILIES = {  # family: (checkpoint sizes, generation settings that show its dec
     "sdar": ({}, [{}, {"steps": 2}]),
     "llada_moe": ({}, [{}, {"exact": True, "cfg_scale": 0.5}]),
     "llada2_moe": ({"n_layers": 3}, [{}, {"editing_threshold": 0.5, "max_post_steps": 4}]),
+    "nemotron_labs_diffusion": ({}, [{}, {"mode": "ar"}, {"mode": "linear_spec"}]),  # its three modes
 }
 
 
