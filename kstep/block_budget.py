@@ -19,6 +19,7 @@ last block's from the one holding position P + N - 1 on are not needed):
 A pass of block j attends to (j + 1) * bs positions. With Fast-dLLM v2's block cache (cache "dual")
 the passes inside a sub-block run only the sub-block; they are costed as whole-block passes (its
 worst case: every sub-block's first position may be the last unmasked, and then each pass runs whole).
+Nemotron-Labs-Diffusion's blocks (decoding/causal_context.py) follow the prompt instead: `causal_context_run`.
 """
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from kstep.params import GenerationParams
 # The families' BlockRules (registry.py), as the planner needs them.
 SHIFTED = ("fast_dllm_v2",)      # is_shifted: the token at j from the output at j - 1
 STEPS_CAPPED = ("llada2_moe",)   # steps_capped: passes per block min(steps or bs, max_tokens) without editing
+CAUSAL_CONTEXT = ("nemotron_labs_diffusion",)  # causal_context.CausalContextDecoder
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,8 @@ def mask_passes(masks: list[int], schedule: list[int] | None, already: int = 0) 
 def worst_run(params: GenerationParams, prompt_len: int, family: str, max_positions: int | None = None) -> BlockRun:
     """The passes a block decoding under resolved `params` runs at worst (module note); `family`
     selects its rules, `max_positions` whether commits can be fused (they need a block of room)."""
+    if family in CAUSAL_CONTEXT:
+        return causal_context_run(params, prompt_len)
     P, N, bs = prompt_len, params.max_tokens, params.block_length
     sub = params.sub_block_length or bs
     shifted = family in SHIFTED
@@ -98,6 +102,18 @@ def worst_run(params: GenerationParams, prompt_len: int, family: str, max_positi
         if j < last and not fused:
             add(bs, attended)  # the commit pass of its own
     return BlockRun(sum(groups.values()), tuple((t, a, c) for (t, a), c in groups.items()))
+
+
+def causal_context_run(params: GenerationParams, prompt_len: int) -> BlockRun:
+    """Nemotron's block diffusion at worst: a causal prefill over the prompt; then blocks of bs after
+    it, each with its first token given (the prefill's, or the commit's before it) and its bs - 1
+    masks unmasked one per pass, or the schedule's count (`steps`), the positions before max_tokens
+    last; a causal commit pass over every block but the last. Block j's passes attend to P + (j + 1) bs."""
+    P, N, bs = prompt_len, params.max_tokens, params.block_length
+    schedule = None if params.steps is None else transfer_counts(bs - 1, params.steps)
+    blocks, passes = -(-N // bs), mask_passes([bs - 1], schedule)
+    groups = [(P, P, 1)] + [(bs, P + (j + 1) * bs, passes + (j < blocks - 1)) for j in range(blocks)]
+    return BlockRun(sum(c for _, _, c in groups), tuple(groups))
 
 
 def coarser_settings(params: GenerationParams) -> list[tuple[dict, ...]]:

@@ -11,7 +11,9 @@ share of the budget the requests planned so far say is safe (PassCosts.margin: 9
   every block's passes and commits, LLaDA2.1's editing passes); coarser means a pass cap per block
   (`steps`, its threshold kept) and, with token editing, fewer post steps first (max_post_steps to 0);
 - DiffusionGemma: uniform_budget.py (decoder passes per canvas);
-- an AR model can only stop early: `max_tokens` is capped to what fits (finish_reason "length").
+- an AR model can only stop early: `max_tokens` is capped to what fits (finish_reason "length");
+  Nemotron-Labs-Diffusion: its `diffusion` mode as a block model (block_budget.causal_context_run),
+  `ar` as AR, `linear_spec` as AR at two passes of its block per token (no draft kept).
 A budget below what the coarsest setting takes (one pass per block; AR: one token) is an error
 naming that minimum: the same number that decides, so a budget above it is always accepted.
 """
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kstep.block_budget import BlockRun, coarser_settings, worst_run
-from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, GenerationParams, knob_applies, user_knobs
+from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, SELF_SPECULATION, GenerationParams, knob_applies, user_knobs
 from kstep.pass_costs import MARGIN, LoadedCosts, PassCosts
 
 __all__ = ["MARGIN", "LoadedCosts", "PassCosts", "Plan", "plan", "predicted_seconds", "run_seconds"]
@@ -48,7 +50,8 @@ def predicted_seconds(costs: Costs, kind: str, params: GenerationParams, prompt_
     one per token, or its fixed schedule's)."""
     n = max_tokens or params.max_tokens
     if kind == AUTOREGRESSIVE:
-        seconds = costs.predict(prompt_len, prompt_len) + sum(costs.predict(1, prompt_len + i) for i in range(1, n))
+        seconds = costs.predict(prompt_len, prompt_len) + sum(token_seconds(costs, params, prompt_len + i)
+                                                              for i in range(1, n))
         return costs.request_seconds + seconds, n
     if kind == BLOCK_DIFFUSION:
         run = worst_run(params, prompt_len, family, max_positions)
@@ -63,6 +66,15 @@ def predicted_seconds(costs: Costs, kind: str, params: GenerationParams, prompt_
         return costs.request_seconds + passes * full, passes
     window = block if params.cache == "dual" else (n + block) / 2 + suffix_len
     return costs.request_seconds + blocks * full + max(0, passes - blocks) * costs.predict(window, length), passes
+
+
+def token_seconds(costs: Costs, params: GenerationParams, attended: int) -> float:
+    """An AR token after the first at worst: one pass of one token; with LinearSpec (a tri-mode model's
+    self-speculation), a round that keeps no draft: a draft pass and a verification of its whole block."""
+    if params.mode != SELF_SPECULATION or not params.num_draft_tokens:
+        return costs.predict(1, attended)
+    block = params.num_draft_tokens + 1
+    return 2 * costs.predict(block, attended + block - 1)
 
 
 def unresolved(params: GenerationParams, **changes) -> GenerationParams:
@@ -97,7 +109,7 @@ def plan(costs: PassCosts, kind: str, params: GenerationParams, prompt_len: int,
         total, n = costs.request_seconds + costs.predict(prompt_len, prompt_len), 0
         while n < params.max_tokens and total <= budget:
             n += 1
-            total += costs.predict(1, prompt_len + n)
+            total += token_seconds(costs, params, prompt_len + n)
         if n == 0:
             raise ValueError(f"time_budget {given:g} s is below the {total / margin:.3g} s even one token "
                              "takes here (AR: a budget can only cap max_tokens)")

@@ -132,8 +132,9 @@ def _write_random(args) -> int:
 DESCRIPTION = """\
 kstep runs diffusion language models, which fill in many output tokens per forward pass: LLaDA
 (llada), LLaDA-MoE (llada_moe), Dream (dream), Fast-dLLM v2 (fast_dllm_v2), SDAR (sdar),
-LLaDA2.0/2.1 (llada2_moe) and DiffusionGemma (diffusion_gemma); and autoregressive models, Llama
-(llama) and Qwen2 (qwen2), as their baseline: generate text, serve an OpenAI-compatible API with
+LLaDA2.0/2.1 (llada2_moe), DiffusionGemma (diffusion_gemma) and the tri-mode Nemotron-Labs-Diffusion
+(nemotron_labs_diffusion: block diffusion, AR or self-speculation, per request); and autoregressive
+models, Llama (llama) and Qwen2 (qwen2), as their baseline: generate text, serve an OpenAI-compatible API with
 continuous batching, and measure both side by side. To try a family without downloading anything:
 kstep random-checkpoint --family FAMILY --out DIR, then kstep generate --model DIR."""
 

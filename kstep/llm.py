@@ -17,7 +17,8 @@ from kstep.bundled import resolve_model
 from kstep.decoding.drafters import NGRAM
 from kstep.decoding.loop import decode_alone
 from kstep.outputs import GenerationResult
-from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, UNIFORM_DIFFUSION, GenerationParams, knob_applies
+from kstep.params import (AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, SELF_SPECULATION, UNIFORM_DIFFUSION,
+                          GenerationParams, knob_applies)
 from kstep.decoding.base import DecodeBatch, Decoder
 from kstep.registry import FAMILIES, DecoderResources
 from kstep.runner.prefix_cache import PrefixCache
@@ -63,19 +64,9 @@ class LLM:
             self._check_draft(self.draft)
 
     def _checkpoint_defaults(self) -> dict:
-        """Knob values generation_config.json gives for knobs kstep leaves unset by default, as vLLM
-        takes a checkpoint's sampling defaults: Dream's `eps`, `alg_temp`; a block model's `threshold`
-        and `small_block_size` (Fast-dLLM v2's name for `sub_block_length`). The family's own (a
-        block model's block size) come from the registry. Its other keys (e.g. Dream's `steps: 512`,
-        `alg: origin`) are not taken: kstep's defaults decide those."""
+        """Knob values the checkpoint's generation_config.json gives (Family.generation_defaults)."""
         path = self.path / "generation_config.json"
-        raw = read_json(path) if path.is_file() else {}
-        if hasattr(self.family.layout, "generation_defaults"):  # knobs under the checkpoint's own names
-            return self.family.layout.generation_defaults(raw)
-        names = {"eps": "eps", "alg_temp": "alg_temp", "threshold": "threshold", "small_block_size": "sub_block_length",
-                 "editing_threshold": "editing_threshold", "max_post_steps": "max_post_steps"}
-        return {knob: raw[key] for key, knob in names.items() if raw.get(key) is not None
-                and knob_applies(knob, self.cfg.family, self.family.kind)}
+        return self.family.generation_defaults(read_json(path) if path.is_file() else {})
 
     def _check_draft(self, draft: "LLM") -> None:
         """A draft must be an AR model over the same vocabulary: its token ids mean the target's."""
@@ -111,12 +102,14 @@ class LLM:
         block = params.block_length or self.cfg.block_size
         if block and block % checkpoint.get("sub_block_length", block):
             checkpoint.pop("sub_block_length")  # the request's block is not made of the checkpoint's sub-blocks
+        kind = self.family.kind_for(params)  # a tri-mode model: its request's mode's
+        checkpoint = {k: v for k, v in checkpoint.items() if knob_applies(k, self.cfg.family, kind)}
         defaults = {**self.family.knob_defaults(self.cfg, params), **checkpoint}
         unset = {k: v for k, v in defaults.items() if getattr(params, k) is None}
         if unset and not params.is_resolved:
             params = replace(params, **unset)
-        return params.resolve(self.cfg.family, self.family.kind, has_draft=self.draft is not None,
-                              canvas_length=getattr(self.cfg, "canvas_length", None))
+        has_draft = self.draft is not None or params.mode == SELF_SPECULATION  # LinearSpec: drafts for itself
+        return params.resolve(self.cfg.family, kind, has_draft, getattr(self.cfg, "canvas_length", None))
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of one prompt, checked against the vocabulary and the mask id."""
@@ -176,9 +169,9 @@ class LLM:
         extra, why = 0, ""
         if suffixes and any(suffixes):
             extra, why = max(len(s) for s in suffixes), " + suffix"
-        if self.family.kind == AUTOREGRESSIVE and params.num_draft_tokens:
+        if (kind := self.family.kind_for(params)) == AUTOREGRESSIVE and params.num_draft_tokens:
             extra, why = params.num_draft_tokens + 1, " + num_draft_tokens + 1"
-        elif self.family.kind == BLOCK_DIFFUSION:  # the last block may end up to a block past max_tokens
+        elif kind == BLOCK_DIFFUSION:  # the last block may end up to a block past max_tokens
             extra, why = params.block_length, f" + block_length ({params.block_length})"
         elif self.family.kind == UNIFORM_DIFFUSION:  # whole canvases
             extra, why = -params.max_tokens % self.cfg.canvas_length, f" in canvases of {self.cfg.canvas_length}"
@@ -223,8 +216,8 @@ class LLM:
         if self.family.kind == UNIFORM_DIFFUSION:
             return plan_uniform(self.pass_costs, params, prompt_len, self.cfg.canvas_length, params.time_budget,
                                 self.resolve, load)
-        return plan(self.pass_costs, self.family.kind, params, prompt_len, suffix_len, params.time_budget,
-                    self.resolve, load, family=self.cfg.family, max_positions=self.cfg.max_positions)
+        return plan(self.pass_costs, self.family.kind_for(params), params, prompt_len, suffix_len,
+                    params.time_budget, self.resolve, load, family=self.cfg.family, max_positions=self.cfg.max_positions)
 
     def cut_at_stop(self, row: list[int], ignore_eos: bool = False) -> tuple[list[int], str]:
         """A completion up to its first end-of-sequence token (`ignore_eos`: all of it), and why it ended."""

@@ -12,8 +12,9 @@ are Dream's (`diffusion_generate`).
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
-from kstep.validation import (MAX_SEED, check_dream_schedule, check_int, check_number, check_pass_bound,
-                              check_self_speculation)
+from kstep.denoising_params import (DEFAULT_NUM_DRAFT_TOKENS, SELF_DRAFT, UnmaskPolicy, resolve_block_diffusion,
+                                    resolve_diffusion)
+from kstep.validation import MAX_SEED, check_int, check_number, check_pass_bound
 
 # The kinds of family: masked diffusion over a canvas (LLaDA, Dream), block diffusion (bidirectional
 # inside a block, causal across: Fast-dLLM v2, SDAR), autoregressive; uniform diffusion: canvases
@@ -21,19 +22,12 @@ from kstep.validation import (MAX_SEED, check_dream_schedule, check_int, check_n
 DIFFUSION, BLOCK_DIFFUSION, AUTOREGRESSIVE = "diffusion", "block-diffusion", "autoregressive"
 UNIFORM_DIFFUSION = "uniform-diffusion"
 GEMMA = ("diffusion_gemma",)
+# A tri-mode model's decodings (Nemotron-Labs-Diffusion), the first its default; Family.modes gives their kinds.
+TRI_MODE, MODES, SELF_SPECULATION = ("nemotron_labs_diffusion",), ("diffusion", "ar", "linear_spec"), "linear_spec"
 # transformers' DiffusionGemmaGenerationConfig defaults, where the checkpoint's generation_config.json has none
 UNIFORM_DEFAULTS = {"max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
                     "stability_threshold": 1, "confidence_threshold": 0.005}
 DENOISING = (DIFFUSION, BLOCK_DIFFUSION)
-DEFAULT_BLOCK_LENGTH = 32  # LLaDA-Instruct's recommended semi-autoregressive block
-# The fast default (Fast-dLLM's dual cache + confidence threshold): `kstep eval` measured it to hold
-# quality against the exact sampler on held-out prompts (docs/benchmarks.md, "Quality: `kstep eval`").
-# `exact=True` is the reference sampler.
-DEFAULT_CACHE = "dual"
-DEFAULT_THRESHOLD = 0.9
-DEFAULT_NUM_DRAFT_TOKENS = 4  # speculative decoding, when a draft is loaded; self-speculation's too
-SELF_DRAFT = "self"  # `draft`: the model drafts for itself (decoding/self_speculation.py)
-DEFAULT_MAX_POST_STEPS = 16  # LLaDA2.1's token editing
 CACHE_MODES = ("none", "prefix", "dual")
 # Unmask rules (confidence scores, `decoding/unmask.py`): LLaDA's low_confidence / random, Dream's
 # maskgit_plus (= low_confidence), topk_margin (= margin) and entropy.
@@ -54,18 +48,12 @@ def knob(default, help: str, families: tuple[str, ...] = (), choices: tuple | No
 
 
 @dataclass(slots=True, frozen=True)
-class UnmaskPolicy:
-    """How many masks a diffusion step unmasks: `fixed` (the linear schedule, `value` passes per
-    block), `threshold` (every mask with confidence >= value, at least one; block diffusion: > value,
-    at least the schedule's count), `factor` (Fast-dLLM's factor rule). Chosen once, when params are resolved; `decoding/unmask.py` holds the strategies."""
-    kind: Literal["fixed", "threshold", "factor"]
-    value: float
-
-
-@dataclass(slots=True, frozen=True)
 class GenerationParams:
     max_tokens: int = knob(128, "completion length (diffusion: the canvas size, LLaDA's gen_length)",
                            server_default=False, http=False)
+    mode: str | None = knob(None, "a tri-mode model's decoding: diffusion (blocks; the default), ar, linear_spec "
+                                  "(drafts its blocks bidirectionally, verifies them causally: the ar output)",
+                            TRI_MODE, MODES)
     temperature: float = knob(0.0, "0 is greedy", http=False)
     top_k: int | None = knob(None, "sample among the k most likely tokens")
     top_p: float | None = knob(None, "nucleus sampling: the smallest set with this much mass", http=False)
@@ -121,8 +109,9 @@ class GenerationParams:
     ignore_eos: bool = knob(False, "always produce max tokens: no stop at end-of-sequence")
     min_tokens: int = knob(0, "no end-of-sequence or stop token among the first N tokens (vLLM's min_tokens)")
     num_draft_tokens: int | None = knob(None, "draft tokens per target pass with a draft loaded (diffusion with draft "
-                                              f"self: drafted steps per pass; default {DEFAULT_NUM_DRAFT_TOKENS}; 0 "
-                                              "turns it off)", (AUTOREGRESSIVE, *DENOISING))
+                                              f"self: drafted steps per pass; default {DEFAULT_NUM_DRAFT_TOKENS}; "
+                                              "linear_spec: the block size - 1; 0 turns it off)",
+                                        (AUTOREGRESSIVE, *DENOISING))
     draft: str | None = knob(None, "self: lossless self-speculation, the exact sampler's tokens in fewer passes "
                                    "(num_draft_tokens steps drafted per pass)", DENOISING, (SELF_DRAFT,), flag=False)
     time_budget: float | None = knob(None, "seconds the completion may take: the passes are chosen to fit, from "
@@ -147,7 +136,7 @@ class GenerationParams:
         check_number("factor", self.factor, 0, exclusive_low=True)
         check_number("alg_temp", self.alg_temp, 0)
         check_number("eps", self.eps, 0, 1, exclusive_low=True)
-        check_int("num_draft_tokens", self.num_draft_tokens, 0, 16, "[0, 16]")
+        check_int("num_draft_tokens", self.num_draft_tokens, 0, 64, "[0, 64]")
         check_number("time_budget", self.time_budget, 0, exclusive_low=True)
         check_number("editing_threshold", self.editing_threshold, 0, 1, exclusive_low=True)
         check_int("max_post_steps", self.max_post_steps, 0)
@@ -159,10 +148,9 @@ class GenerationParams:
         for name in ("exact", "early_stop", "ignore_eos", "token_healing", "fused_commit"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name, allowed in (("remasking", REMASKING_RULES), ("cache", CACHE_MODES)):
-            value = getattr(self, name)
-            if value is not None and value not in allowed:
-                what = "a known unmask rule" if name == "remasking" else "a cache mode"
+        for name, allowed, what in (("remasking", REMASKING_RULES, "a known unmask rule"),
+                                    ("cache", CACHE_MODES, "a cache mode"), ("mode", MODES, "a decoding mode")):
+            if (value := getattr(self, name)) is not None and value not in allowed:
                 raise ValueError(f"{name} {value!r} is not {what} (choose from {', '.join(allowed)})")
         if (self.threshold is not None or self.factor is not None) and self.remasking == "entropy":
             raise ValueError("threshold and factor compare confidences with probabilities; remasking 'entropy' "
@@ -188,6 +176,8 @@ class GenerationParams:
             if not knob_applies(f.name, family, kind) and getattr(self, f.name) != f.default:
                 raise ValueError(f"{f.name} does not apply to a {family} model ({kind}); "
                                  f"it is for {' / '.join(f.metadata['families'])} models")
+        if self.draft and family in TRI_MODE:
+            raise ValueError(f"draft 'self': a {family} model drafts for itself in mode '{SELF_SPECULATION}'")
         if kind == AUTOREGRESSIVE:
             draft_tokens = self.num_draft_tokens
             if draft_tokens is None:
@@ -196,7 +186,7 @@ class GenerationParams:
                 raise ValueError("num_draft_tokens > 0 needs a draft model (kstep.load(..., draft=...), --draft)")
             return replace(self, num_draft_tokens=draft_tokens, is_resolved=True)
         if kind == BLOCK_DIFFUSION:
-            return self._resolve_block_diffusion()
+            return resolve_block_diffusion(self)
         if kind == UNIFORM_DIFFUSION:
             filled = replace(self, **{k: v for k, v in UNIFORM_DEFAULTS.items() if getattr(self, k) is None})
             if filled.t_max <= filled.t_min:
@@ -208,85 +198,7 @@ class GenerationParams:
             # fixed seed, so it gets one (0) unless the request chose its own.
             seed = 0 if filled.seed is None and filled.temperature == 0 else filled.seed
             return replace(filled, seed=seed, is_resolved=True)
-        return self._resolve_diffusion(family in WHOLE_CANVAS_REFERENCE)
-
-    def _resolve_block_diffusion(self) -> "GenerationParams":
-        """Blocks are the checkpoint's (filled in from it when not given) and aligned to position 0,
-        so any max_tokens fits. Policy: a threshold (default 0.9; with `steps`, at least the
-        schedule's count per pass, SDAR's dynamic rule); `steps` alone: that fixed count schedule per
-        block; `exact`: one token per pass (steps = block_length)."""
-        if self.block_length is None:
-            raise ValueError("block_length: a block-diffusion model needs its block size (from its config)")
-        exact = self.exact or self.draft == SELF_DRAFT  # self-speculation is the exact sampler's, in fewer passes
-        if self.remasking == "entropy" and self.steps is None and not exact:
-            raise ValueError("remasking 'entropy' scores negative entropy, which a threshold cannot compare: "
-                             "give steps (a fixed schedule)")
-        if self.cache == "prefix":
-            raise ValueError("cache 'prefix' is the canvas models' (LLaDA, Dream): a block model always caches "
-                             "its finished blocks; Fast-dLLM v2 takes cache 'dual' (its block cache) or 'none'")
-        sub = self.sub_block_length or self.block_length
-        if self.block_length % sub:
-            raise ValueError(f"sub_block_length ({sub}) must divide block_length ({self.block_length})")
-        if self.editing_threshold is None and self.max_post_steps is not None:
-            raise ValueError("max_post_steps counts token-editing passes: give editing_threshold too")
-        if self.editing_threshold is not None and (exact or self.steps is not None):
-            raise ValueError("editing_threshold: token editing unmasks by threshold, at least one per pass "
-                             "(LLaDA2.1): it takes no exact or steps")
-        steps = self.block_length if exact else self.steps
-        if steps is not None and steps > self.block_length:
-            raise ValueError(f"steps ({steps}) per block exceeds block_length ({self.block_length})")
-        if self.threshold is not None or (steps is None and not exact):
-            policy = UnmaskPolicy("threshold", DEFAULT_THRESHOLD if self.threshold is None else self.threshold)
-        else:
-            policy = UnmaskPolicy("fixed", steps)
-        threshold = policy.value if policy.kind == "threshold" else None
-        post = None if self.editing_threshold is None else check_pass_bound(
-            "max_post_steps", DEFAULT_MAX_POST_STEPS if self.max_post_steps is None else self.max_post_steps,
-            self.block_length, f"a block of {self.block_length}", DEFAULT_MAX_POST_STEPS)
-        drafts = check_self_speculation(self, steps or self.block_length, DEFAULT_NUM_DRAFT_TOKENS)
-        return replace(self, steps=steps, threshold=threshold, policy=policy, sub_block_length=sub, max_post_steps=post,
-                       fused_commit=self.fused_commit and not exact, cache=self.cache or "none", exact=exact,
-                       num_draft_tokens=drafts, is_resolved=True)
-
-    def _resolve_diffusion(self, whole_canvas_reference: bool) -> "GenerationParams":
-        """Defaults: the dual cache, and the 0.9 confidence threshold unless `steps` or `factor`
-        chooses the policy; `exact` turns both off (one forward pass per token unless steps). Checks
-        the block/step arithmetic of LLaDA's sampler."""
-        exact = self.exact or self.draft == SELF_DRAFT  # self-speculation is the exact sampler's, in fewer passes
-        cache = "none" if exact else self.cache or DEFAULT_CACHE
-        block = self.block_length
-        if block is None and exact and whole_canvas_reference:
-            block = self.max_tokens
-        if block is None:
-            block = DEFAULT_BLOCK_LENGTH if self.max_tokens % DEFAULT_BLOCK_LENGTH == 0 else self.max_tokens
-        if self.max_tokens % block:
-            raise ValueError(f"max_tokens ({self.max_tokens}) must be a multiple of block_length ({block})")
-        num_blocks = self.max_tokens // block
-        steps = self.max_tokens if self.steps is None else self.steps
-        check_pass_bound("steps", steps, self.max_tokens, f"the completion (max_tokens {self.max_tokens})")
-        if steps % num_blocks:
-            raise ValueError(f"steps ({steps}) must divide evenly across the {num_blocks} blocks "
-                             f"(max_tokens {self.max_tokens} / block_length {block})")
-        if steps // num_blocks > block and not whole_canvas_reference:
-            raise ValueError(f"steps per block ({steps // num_blocks}) exceeds block_length ({block}): "
-                             f"at most one forward pass per token")
-        if self.threshold is not None:
-            policy = UnmaskPolicy("threshold", self.threshold)
-        elif self.factor is not None:
-            policy = UnmaskPolicy("factor", self.factor)
-        elif self.steps is None and not exact:
-            if self.remasking == "entropy":
-                raise ValueError("remasking 'entropy' scores negative entropy, which the default confidence "
-                                 "threshold cannot compare: give steps (a fixed schedule)")
-            policy = UnmaskPolicy("threshold", DEFAULT_THRESHOLD)
-        else:
-            policy = UnmaskPolicy("fixed", steps // num_blocks)
-        if whole_canvas_reference:
-            check_dream_schedule(cache, policy.kind, block, steps // num_blocks)
-        drafts = check_self_speculation(self, steps // num_blocks, DEFAULT_NUM_DRAFT_TOKENS)
-        threshold = policy.value if policy.kind == "threshold" else None
-        return replace(self, block_length=block, steps=steps, cache=cache, threshold=threshold, policy=policy,
-                       exact=exact, num_draft_tokens=drafts, is_resolved=True)
+        return resolve_diffusion(self, family in WHOLE_CANVAS_REFERENCE)
 
 
 def user_knobs() -> list:

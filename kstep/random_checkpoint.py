@@ -69,6 +69,9 @@ DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
 MOE_SIZES = {"num_experts", "top_k", "expert_dim", "shared_dim", "n_group", "topk_group", "dense_layers"}
 UNUSED_SIZES = {"llada2_moe": set(), "llada_moe": {"n_group", "topk_group"},
                 "diffusion_gemma": {"shared_dim", "n_group", "topk_group", "dense_layers"}}
+# Tiny block sizes (4 unless here): LLaDA2's is its released 32; Nemotron's 8 (a block's first token is
+# an AR step, so 4 would leave 3 to denoise and 3 drafts to a LinearSpec round).
+BLOCK_SIZES = {"llada2_moe": 32, "nemotron_labs_diffusion": 8}
 GEMMA_WINDOW = GEMMA_CANVAS = 16  # a prompt of 16+ tokens overflows the window; 32 tokens: two canvases
 
 
@@ -95,14 +98,16 @@ def random_config(family: str, vocab_size: int, d_model: int = 64, n_layers: int
                         scaling=2.5 if grouped else 1.0, has_bias=grouped, shared_dim=shared_dim,
                         dense_layers=tuple(range(dense_layers)), logits_in_float32=grouped)
     head_dim = head_dim or d_model // n_heads
+    rope = entry.layout.random_rope(max_positions) if hasattr(entry.layout, "random_rope") else (10000.0, None)
     return ModelConfig(
         family=family, attention=entry.attention, vocab_size=vocab_size, embedding_size=embedding_size,
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-        ffn_dim=ffn_dim, norm_eps=1e-5, rope_theta=10000.0, max_positions=max_positions, tie_embeddings=tie,
+        ffn_dim=ffn_dim, norm_eps=1e-5, rope_theta=rope[0], rope_scaling=rope[1], max_positions=max_positions,
+        tie_embeddings=tie,
         mask_token_id=SPECIAL_TOKENS.index(MASK) if entry.kind != AUTOREGRESSIVE else None,
         qkv_bias=family in ("qwen2", "dream", "fast_dllm_v2"), qk_norm=family in ("sdar", "llada2_moe", "llada_moe"),
         out_bias=False, rotary_dim=head_dim // 2 if family == "llada2_moe" else None, moe=moe,
-        block_size=(32 if family == "llada2_moe" else 4) if entry.kind == BLOCK_DIFFUSION else None,
+        block_size=BLOCK_SIZES.get(family, 4) if entry.kind == BLOCK_DIFFUSION else None,
         pad_token_id=SPECIAL_TOKENS.index(PAD), eos_token_ids=(SPECIAL_TOKENS.index(EOS),))
 
 

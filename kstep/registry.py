@@ -15,6 +15,10 @@ file in models/ and a decoder in decoding/ (or a reused one).
     qwen2    llama.py           causal          autoregressive  autoregressive (speculative with a draft)
     diffusion_gemma  diffusion_gemma.py  two_mode  uniform-diffusion  uniform_diffusion.UniformDiffusionDecoder
                      (its own network: diffusion_gemma_model.py)
+    nemotron_labs_diffusion  nemotron_labs_diffusion.py  causal (its diffusion passes: bidirectional masks)
+             per request (`mode`): diffusion  block-diffusion  causal_context.CausalContextDecoder
+                                   ar         autoregressive   autoregressive
+                                   linear_spec  autoregressive speculative, drafting for itself (drafters.SelfDrafter)
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,15 +29,19 @@ from kstep.decoding.base import DecodeBatch, Decoder
 from kstep.decoding.block_cache import BlockCacheDecoder
 from kstep.decoding.block_diffusion import BlockDiffusionDecoder, BlockRules
 from kstep.decoding.block_self_speculation import BlockSelfSpeculativeDecoder
+from kstep.decoding.causal_context import CausalContextDecoder
+from kstep.decoding.drafters import SELF
 from kstep.decoding.dream import DreamDecoder
 from kstep.decoding.masked_diffusion import DiffusionDecoder
 from kstep.decoding.self_speculation import SelfSpeculativeDecoder
 from kstep.decoding.speculative import SpeculativeDecoder
 from kstep.decoding.uniform_diffusion import UniformDiffusionDecoder
-from kstep.models import diffusion_gemma, dream, fast_dllm_v2, llada, llada2_moe, llada_moe, llama, sdar
+from kstep.models import (diffusion_gemma, dream, fast_dllm_v2, llada, llada2_moe, llada_moe, llama,
+                          nemotron_labs_diffusion, sdar)
 from kstep.models.diffusion_gemma_model import DiffusionGemma
 from kstep.models.config import ModelConfig
-from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, SELF_DRAFT, UNIFORM_DIFFUSION, GenerationParams
+from kstep.params import (AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, MODES, SELF_DRAFT, SELF_SPECULATION,
+                          UNIFORM_DIFFUSION, GenerationParams, knob_applies)
 from kstep.runner.model_runner import ModelRunner
 from kstep.runner.prefix_cache import PrefixCache
 
@@ -70,22 +78,52 @@ class Family:
     threshold: float | None = None   # the reference sampler's confidence threshold, with steps too (LLaDA2: 0.95)
     config_test: Callable[[dict], bool] | None = None  # whether a config.json of a shared model_type is this family's
     network: type | None = None      # its own nn.Module (None: models/transformer.py's Transformer)
+    modes: dict[str, str] | None = None  # a tri-mode model: each `mode` and its kind (the first: `kind`'s)
 
     def parse_config(self, raw: dict) -> ModelConfig:
         return self.layout.parse_config(raw, self.name, self.attention)
 
+    def kind_for(self, params: GenerationParams) -> str:
+        """The kind of decoding a request runs: the family's, or (a tri-mode model) its mode's."""
+        return self.modes[params.mode or next(iter(self.modes))] if self.modes else self.kind
+
     def knob_defaults(self, cfg: ModelConfig, params: GenerationParams) -> dict:
-        """Generation knobs this family fills in for a request: a block model's block size (its
+        """Generation knobs this family fills in for a request: a tri-mode model's mode (its first)
+        and LinearSpec's drafts (a block: the block size - 1), a block model's block size (its
         checkpoint's), Fast-dLLM v2's sub-block of 8 where it divides the block (else the whole block)."""
-        if self.kind != BLOCK_DIFFUSION:
-            return {}
+        defaults = {"mode": params.mode or next(iter(self.modes))} if self.modes else {}
+        if defaults.get("mode") == SELF_SPECULATION:
+            defaults["num_draft_tokens"] = cfg.block_size - 1
+        if self.kind_for(params) != BLOCK_DIFFUSION:
+            return defaults
         block = params.block_length or cfg.block_size
-        defaults = {"block_length": block}
+        defaults["block_length"] = block
         if self.sub_block_length and block % self.sub_block_length == 0:
             defaults["sub_block_length"] = self.sub_block_length
         if self.threshold is not None and not (params.exact or params.draft):
             defaults["threshold"] = self.threshold
         return defaults
+
+    def defaults_for_mode(self, defaults: dict, mode: str | None) -> dict:
+        """Per-model defaults (`kstep serve`'s flags) that a request of `mode` takes: a tri-mode model's
+        knobs for another mode's kind (a `--threshold` under `mode` ar) are left out, not refused."""
+        if not self.modes:
+            return defaults
+        kind = self.modes.get(mode or next(iter(self.modes)), self.kind)  # a bad mode: refused by its params
+        return {k: v for k, v in defaults.items() if knob_applies(k, self.name, kind)}
+
+    def generation_defaults(self, raw: dict) -> dict:
+        """Knob values a checkpoint's generation_config.json (`raw`) gives for knobs kstep leaves unset
+        by default, as vLLM takes a checkpoint's sampling defaults: Dream's `eps`, `alg_temp`; a block
+        model's `threshold` and `small_block_size` (Fast-dLLM v2's name for `sub_block_length`). The
+        family's own (a block model's block size) come from knob_defaults. Its other keys (e.g.
+        Dream's `steps: 512`, `alg: origin`) are not taken: kstep's defaults decide those."""
+        if hasattr(self.layout, "generation_defaults"):  # knobs under the checkpoint's own names
+            return self.layout.generation_defaults(raw)
+        names = {"eps": "eps", "alg_temp": "alg_temp", "threshold": "threshold", "small_block_size": "sub_block_length",
+                 "editing_threshold": "editing_threshold", "max_post_steps": "max_post_steps"}
+        return {knob: raw[key] for key, knob in names.items() if raw.get(key) is not None
+                and knob_applies(knob, self.name, self.kind)}
 
     def matches_model_type(self, raw: dict) -> bool:
         """config.json's `model_type` is this family's (and, where a model_type is shared, its fields
@@ -108,6 +146,18 @@ def _block(rules: BlockRules) -> DecoderFactory:
     return make
 
 
+def tri_mode_decoder(runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
+                     resources: DecoderResources) -> Decoder:
+    """Nemotron-Labs-Diffusion's decodings (its remote code's three): `diffusion` its `generate`
+    (blocks against a causal context), `ar` its `ar_generate`, `linear_spec` its
+    `linear_spec_generate` (speculative decoding, the model drafting for itself)."""
+    if params.mode == "diffusion":
+        return CausalContextDecoder(runner, batch, params, resources.prefix_cache)
+    if params.num_draft_tokens:  # linear_spec (a diffusion family takes no draft model)
+        return SpeculativeDecoder(runner, batch, params, SELF)
+    return autoregressive_decoder(runner, batch, params, resources)
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llada", llada, "bidirectional", DIFFUSION, _diffusion(DiffusionDecoder), ("LLaDAModelLM",), ("llada",),
            config_test=lambda raw: not raw.get("num_experts")),
@@ -125,6 +175,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen2", llama, "causal", AUTOREGRESSIVE, autoregressive_decoder, ("Qwen2ForCausalLM",), ("qwen2",)),
     Family("diffusion_gemma", diffusion_gemma, "two_mode", UNIFORM_DIFFUSION, _diffusion(UniformDiffusionDecoder),
            ("DiffusionGemmaForBlockDiffusion",), ("diffusion_gemma",), network=DiffusionGemma),
+    Family("nemotron_labs_diffusion", nemotron_labs_diffusion, "causal", BLOCK_DIFFUSION, tri_mode_decoder,
+           (nemotron_labs_diffusion.ARCHITECTURE,), (nemotron_labs_diffusion.MODEL_TYPE,),
+           modes=dict(zip(MODES, (BLOCK_DIFFUSION, AUTOREGRESSIVE, AUTOREGRESSIVE), strict=True))),
 )}
 
 

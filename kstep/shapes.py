@@ -4,7 +4,9 @@ floors use them without any weights). Sizes only: what the weights are is the ch
 
 Sources: each model's config.json (Qwen2.5-0.5B/1.5B, Qwen3-1.7B, LLaDA-8B); LLaDA2.0-mini and
 LLaDA-MoE-7B-A1B from the research note (shared/research/moe_dllms.md: dFactory's config copies, the
-paper). `llada-1b` and `llada2-2b` are scaled-down layouts of LLaDA-8B / LLaDA2.0-mini (the
+paper); Nemotron-Labs-Diffusion-3B from its config.json as quoted by the ports that pin it (e.g. the
+Rust runtime's TEXT_3B fixture, the mlx-lm AR plan: hidden 3072, 26 layers, 32/8 heads of 128).
+`llada-1b` and `llada2-2b` are scaled-down layouts of LLaDA-8B / LLaDA2.0-mini (the
 published layout, fewer layers and a narrower width) for measurements that must fit this machine.
 """
 from dataclasses import dataclass, field
@@ -43,6 +45,9 @@ SHAPES: dict[str, Shape] = {
     "lladamoe-7b": Shape(("llada_moe",), dict(
         d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn_dim=8192, vocab_size=_LLADA2_VOCAB,
         num_experts=64, top_k=8, expert_dim=1024, max_positions=8192), "LLaDA-MoE-7B-A1B: 7B total, 1.4B active"),
+    "nemotron-3b": Shape(("nemotron_labs_diffusion",), dict(
+        d_model=3072, n_layers=26, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=9216, vocab_size=131072,
+        max_positions=262144), "Nemotron-Labs-Diffusion-3B (YaRN x16 over 16384; queries 32 x 128 = 4096 > d 3072)"),
 }
 
 

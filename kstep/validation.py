@@ -51,6 +51,7 @@ def check_dream_schedule(cache: str, policy: str, block: int, steps_per_block: i
                          f"must be a multiple of the steps per block ({steps_per_block})")
 
 
+
 def check_self_speculation(params, steps_per_block: int, default_drafts: int) -> int | None:
     """The drafts per pass of a `draft="self"` request (decoding/self_speculation.py), None without
     one: lossless only where the exact sampler is deterministic (greedy, a score that is not

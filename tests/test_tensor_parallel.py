@@ -9,6 +9,7 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -38,6 +39,7 @@ FAMILIES = {  # family: (checkpoint sizes, generation settings that show its dec
     "sdar": ({}, [{}, {"steps": 2}, {"draft": "self", "num_draft_tokens": 3}]),  # drafts' KV rows copied
     "llada_moe": ({}, [{}, {"exact": True, "cfg_scale": 0.5}]),
     "llada2_moe": ({"n_layers": 3}, [{}, {"editing_threshold": 0.5, "max_post_steps": 4}]),
+    "nemotron_labs_diffusion": ({}, [{}, {"mode": "ar"}, {"mode": "linear_spec"}]),  # its three modes
 }
 
 
@@ -51,17 +53,26 @@ def tensor_parallel(path, **kw) -> kstep.LLM:
     return kstep.load(path, tensor_parallel_size=2, **kw)
 
 
+@pytest.fixture(scope="module")
+def models(checkpoints):
+    """family -> (its model on one rank, on two), loaded once for the module's tests: starting ranks
+    costs seconds, so two groups start at a time (a rank spends them importing torch), and every
+    group closes at once at the end."""
+    with ThreadPoolExecutor(2) as pool:
+        twos = dict(zip(FAMILIES, pool.map(lambda f: tensor_parallel(checkpoints[f]), FAMILIES)))
+    yield lambda family: (kstep.load(checkpoints[family]), twos[family])
+    with ThreadPoolExecutor(len(twos)) as pool:
+        list(pool.map(lambda two: two.close(), twos.values()))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_two_ranks_generate_what_one_does(checkpoints, family):
-    one, two = kstep.load(checkpoints[family]), tensor_parallel(checkpoints[family])
-    try:
-        for settings in FAMILIES[family][1]:
-            want = one.generate(PROMPTS, max_tokens=32, **settings)
-            got = two.generate(PROMPTS, max_tokens=32, **settings)
-            assert [r.token_ids for r in got] == [r.token_ids for r in want], settings
-            assert [r.nfe for r in got] == [r.nfe for r in want], settings
-    finally:
-        two.close()
+def test_two_ranks_generate_what_one_does(models, family):
+    one, two = models(family)
+    for settings in FAMILIES[family][1]:
+        want = one.generate(PROMPTS, max_tokens=32, **settings)
+        got = two.generate(PROMPTS, max_tokens=32, **settings)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want], settings
+        assert [r.nfe for r in got] == [r.nfe for r in want], settings
 
 
 def test_speculative_decoding_and_one_pass_collectives(checkpoints):
@@ -84,7 +95,7 @@ def test_speculative_decoding_and_one_pass_collectives(checkpoints):
 
 
 @pytest.mark.parametrize("family", ["llama", "sdar"])
-def test_the_prefix_cache_is_kept_on_every_rank(checkpoints, family):
+def test_the_prefix_cache_is_kept_on_every_rank(models, family):
     """A request that copies a cached prefix on rank 0 copies it on every rank: TP=2 serves the
     requests of TP=1 token for token, hitting the cache."""
     shared = list(range(20, 60))  # 40 tokens: whole cache blocks (16; SDAR: of its blocks of 4)
@@ -98,32 +109,25 @@ def test_the_prefix_cache_is_kept_on_every_rank(checkpoints, family):
             while engine.has_work():
                 engine.step()
         return [r.output_ids for r in requests], engine.prefix_cache.hit_tokens
-    one, two = kstep.load(checkpoints[family]), tensor_parallel(checkpoints[family])
-    try:
-        (want, _), (got, hits) = serve(one), serve(two)
-        assert got == want and hits >= 64
-    finally:
-        two.close()
+    one, two = models(family)
+    (want, _), (got, hits) = serve(one), serve(two)
+    assert got == want and hits >= 64
 
 
-def test_each_rank_holds_about_half_the_weights(checkpoints):
-    path = checkpoints["llada2_moe"]
-    one, two = kstep.load(path), tensor_parallel(path)
-    try:
-        size = lambda llm: sum(p.numel() for p in llm.model.parameters())  # noqa: E731
-        assert 0.45 < size(two) / size(one) < 0.6  # the norms and routers are replicated
-        experts = two.model.layers[1].mlp.experts
-        assert (experts.num_experts, experts.first) == (one.cfg.moe.num_experts // 2, 0)  # whole experts
-        two.generate(PROMPTS[0], max_tokens=32)
-        load, moe = two.runner.expert_load(), two.cfg.moe
-        sparse = sum(moe.is_sparse(i) for i in range(two.cfg.n_layers))
-        assert len(load) == 2 and min(load) > 0 and sum(load) % (moe.top_k * sparse) == 0  # every token's k, per layer
-        metrics = Metrics()
-        metrics.for_model("m").observe_step(StepStats(1, 1, 1, 0.1, 1), Engine(two))
-        exported = generate_latest(metrics.registry).decode()
-        assert f'kstep_expert_pairs{{model="m",rank="1"}} {float(load[1])}' in exported
-    finally:
-        two.close()
+def test_each_rank_holds_about_half_the_weights(models):
+    one, two = models("llada2_moe")
+    size = lambda llm: sum(p.numel() for p in llm.model.parameters())  # noqa: E731
+    assert 0.45 < size(two) / size(one) < 0.6  # the norms and routers are replicated
+    experts = two.model.layers[1].mlp.experts
+    assert (experts.num_experts, experts.first) == (one.cfg.moe.num_experts // 2, 0)  # whole experts
+    two.generate(PROMPTS[0], max_tokens=32)
+    load, moe = two.runner.expert_load(), two.cfg.moe
+    sparse = sum(moe.is_sparse(i) for i in range(two.cfg.n_layers))
+    assert len(load) == 2 and min(load) > 0 and sum(load) % (moe.top_k * sparse) == 0  # every token's k, per layer
+    metrics = Metrics()
+    metrics.for_model("m").observe_step(StepStats(1, 1, 1, 0.1, 1), Engine(two))
+    exported = generate_latest(metrics.registry).decode()
+    assert f'kstep_expert_pairs{{model="m",rank="1"}} {float(load[1])}' in exported
 
 
 def test_sizes_that_do_not_divide_are_refused_naming_the_numbers(checkpoints, capsys):

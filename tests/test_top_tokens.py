@@ -60,6 +60,7 @@ FAMILIES = {  # greedy settings that reach every rule a decoder scores with
     "fast_dllm_v2": [{}, {"cache": "dual"}],
     "sdar": [{"steps": 2}],
     "llada2_moe": [{"editing_threshold": 0.5, "max_post_steps": 4}],
+    "nemotron_labs_diffusion": [{}, {"mode": "ar"}, {"mode": "linear_spec"}],
 }
 
 

@@ -7,22 +7,29 @@ sequence's last n tokens (n = 4 down to 1), as vLLM's n-gram proposer and transf
 decoding. Its proposals cost no forward pass, which matters when a small draft model's pass costs
 nearly as much as the target's (per-pass overhead, not weight bytes, dominates small models).
 
-Both yield (drafts (B, gamma), their distributions (B, gamma, V) at temperature > 0 else None); the
-rejection rule in `speculative.py` makes the output the target's distribution whatever they propose.
+`SelfDrafter`: no second model either: a tri-mode model (Nemotron-Labs-Diffusion) drafts for itself,
+LinearSpec (its `linear_spec_generate`): one bidirectional pass over [last committed token; gamma
+masks] against its own cache fills every mask (the output at j predicts the token at j).
+
+They yield (drafts (B, gamma), their distributions (B, gamma, V) at temperature > 0 else None); the
+rejection rule in `speculative.py` makes the output the target's distribution whatever they propose
+(the self drafter's None at temperature > 0 selects LinearSpec's own rule there).
 """
 import torch
 import torch.nn.functional as F
 
-from kstep.decoding.sampling import sample_tokens, sampling_probs, suppress_stop_tokens
+from kstep.decoding.sampling import exclude_token, sample_tokens, sampling_probs, suppress_stop_tokens
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner
 
 NGRAM_MAX, NGRAM_MIN = 4, 1
 NGRAM = "ngram"  # the --draft name that selects NgramDrafter
+SELF = "self"  # the target drafts for itself (SelfDrafter): a tri-mode model's linear_spec mode
 
 
 class ModelDrafter:
     """Proposes with a draft model whose cache slots mirror the target's (same `real` mask)."""
+    has_passes, is_target = True, False
 
     def __init__(self, runner: ModelRunner, prompts: torch.Tensor, positions: torch.Tensor,
                  key_mask: torch.Tensor | None, real: torch.Tensor, params: GenerationParams,
@@ -86,6 +93,7 @@ class ModelDrafter:
 class NgramDrafter:
     """Proposes by lookup in each row's own text (prompt + committed tokens); an index of n-gram ->
     where its latest earlier occurrence continues, updated as tokens commit, keeps a lookup O(1)."""
+    has_passes, is_target = False, False
 
     def __init__(self, prompts: list[list[int]], vocab_size: int, params: GenerationParams,
                  device: torch.device | str = "cpu"):
@@ -130,3 +138,50 @@ class NgramDrafter:
 
     def release(self) -> None:
         pass
+
+
+class SelfDrafter:
+    """LinearSpec's draft: the target's own bidirectional pass over [last committed token; gamma
+    masks] at the slots the verification pass then overwrites (the reference does not write them:
+    `use_cache=False`), attending to the target's cache before them. One pass fills every mask (the
+    reference's default threshold 0); a draft is never the mask token (the reference's would never
+    be kept: the verifier does not predict masks)."""
+    has_passes, is_target = True, True
+
+    def __init__(self, runner: ModelRunner, kv, real: torch.Tensor, prompts: torch.Tensor, positions: torch.Tensor,
+                 mask_id: int, params: GenerationParams, generator: torch.Generator | None):
+        self.runner, self.kv, self.real, self.prompts, self.positions = runner, kv, real, prompts, positions
+        self.mask_id, self.params, self.generator = mask_id, params, generator
+        self.num_passes = 0
+
+    def start(self, history: list[list[int]], gamma: int) -> None:
+        """Draft gamma tokens after `history` (per row its committed tokens, at least one each)."""
+        device = self.prompts.device
+        self.num_committed = torch.tensor([len(h) for h in history], device=device)  # (B,)
+        last = torch.tensor([[h[-1]] for h in history], device=device)
+        self.ids = torch.cat([last, torch.full((len(history), gamma), self.mask_id, device=device)], 1)  # (B, g+1)
+        self.drafts: torch.Tensor | None = None
+
+    @property
+    def is_done(self) -> bool:
+        return self.drafts is not None
+
+    def next_pass(self) -> ForwardPass:
+        P = self.prompts.shape[1]
+        offsets = torch.arange(self.ids.shape[1], device=self.ids.device)
+        positions = self.positions[:, -1:] + self.num_committed[:, None] + offsets  # the last committed token's on
+        self.num_passes += 1
+        return self.runner.ragged_causal_pass(self.ids, positions, P + self.num_committed - 1, self.real, self.kv,
+                                              is_causal=False, kind="draft")
+
+    def absorb(self, logits: torch.Tensor) -> None:
+        """The drafts from the draft pass's logits (B, g + 1, V): each mask's own output."""
+        p = self.params
+        proposal = exclude_token(logits[:, 1:], self.mask_id)  # (B, g, V)
+        self.drafts = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)
+
+    def result(self) -> tuple[torch.Tensor, None]:
+        return self.drafts, None
+
+    def release(self) -> None:
+        self.kv = None

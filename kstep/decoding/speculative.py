@@ -12,19 +12,25 @@ slots are masked out and overwritten by the next pass). Cache invariant per row:
 token except the last is in the target's cache (and a draft model's).
 
 A step is one pass: the prefill (target and draft prompt passes together), then per round each of a
-draft model's gamma passes (n-gram drafts need none), then the target's verification pass.
+draft model's gamma passes (n-gram drafts need none; a self-drafting tri-mode model one bidirectional
+pass of its own), then the target's verification pass.
+
+LinearSpec (Nemotron-Labs-Diffusion's self-speculation, `linear_spec_generate`) is this loop with the
+target as its own drafter (drafters.SelfDrafter): at temperature 0 its output is the target's greedy
+output; above, it keeps the reference's rule (drafts kept while they equal the target's own samples,
+then that sample), which samples the target's distribution too, token by token.
 """
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder
-from kstep.decoding.drafters import NGRAM, ModelDrafter, NgramDrafter
+from kstep.decoding.drafters import NGRAM, SELF, ModelDrafter, NgramDrafter, SelfDrafter
 from kstep.decoding.sampling import constrain_outputs, sample_tokens, sampling_probs
 from kstep.decoding.unmask import top_request
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, asking, positions_from_padding
 
-__all__ = ["SpeculativeDecoder", "accept_drafts", "accept_greedy", "sampling_probs"]
+__all__ = ["SpeculativeDecoder", "accept_drafts", "accept_greedy", "accept_matching", "sampling_probs"]
 
 
 def accept_drafts(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor,
@@ -49,14 +55,19 @@ def accept_drafts(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts:
 
 def accept_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature 0: keep drafts while they equal the target's argmax; then the target's argmax."""
-    best = sample_tokens(target_logits, 0)  # (B, g+1) the argmax (top tokens: their ids)
-    num_kept = (drafts == best[:, :-1]).long().cumprod(-1).sum(-1)
-    return num_kept, best.gather(1, num_kept[:, None]).squeeze(-1)
+    return accept_matching(sample_tokens(target_logits, 0), drafts)  # the argmax (top tokens: their ids)
+
+
+def accept_matching(target_tokens: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_tokens (B, g+1) the target's own picks after each prefix, drafts (B, g): keep drafts
+    while they equal the target's pick; then the target's pick (LinearSpec's acceptance)."""
+    num_kept = (drafts == target_tokens[:, :-1]).long().cumprod(-1).sum(-1)
+    return num_kept, target_tokens.gather(1, num_kept[:, None]).squeeze(-1)
 
 
 class SpeculativeDecoder(Decoder):
     """Decodes left-padded prompts (B, P) with the target on `runner` and drafts from `draft`: a draft
-    model's runner, or "ngram" (lookup, no model)."""
+    model's runner, "ngram" (lookup, no model) or "self" (the target's bidirectional mode: LinearSpec)."""
 
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
                  draft: ModelRunner | str | None):
@@ -83,6 +94,9 @@ class SpeculativeDecoder(Decoder):
         if draft == NGRAM:
             rows = prompts.tolist() if key_mask is None else [p[m].tolist() for p, m in zip(prompts, key_mask)]
             self.drafter = NgramDrafter(rows, runner.model.cfg.vocab_size, params, prompts.device)
+        elif draft == SELF:
+            self.drafter = SelfDrafter(runner, self.kv, self.real, prompts, self.positions, batch.mask_id, params,
+                                       generator)
         else:
             self.drafter = ModelDrafter(draft, prompts, self.positions, key_mask, self.real, params,
                                         stop_ids, generator)
@@ -125,6 +139,9 @@ class SpeculativeDecoder(Decoder):
         samples its next proposal. Verify: (B, g + 1, V)."""
         if self.phase == "draft":
             self.drafter.absorb(logits[0])
+            if self.drafter.is_target:  # the target's own pass (LinearSpec): its nfe, as the reference counts
+                self.nfe += 1
+                self.row_nfe = [n + (not done) for n, done in zip(self.row_nfe, self.row_finished, strict=True)]
             if self.drafter.is_done:
                 self.drafts, self.draft_probs = self.drafter.result()
                 self.phase = "verify"
@@ -139,8 +156,9 @@ class SpeculativeDecoder(Decoder):
         if self.drafts is None:
             new = [[t] for t in sample_tokens(logits[:, -1], p.temperature, self.generator, p.top_k, p.top_p).tolist()]
         else:
-            if p.temperature == 0:
-                num_kept, following = accept_greedy(logits, self.drafts)
+            if p.temperature == 0 or self.draft_probs is None:  # greedy, or LinearSpec's sampled rule
+                tokens = sample_tokens(logits, p.temperature, self.generator, p.top_k, p.top_p)  # (B, g + 1)
+                num_kept, following = accept_matching(tokens, self.drafts)
             else:
                 num_kept, following = accept_drafts(sampling_probs(logits, p), self.draft_probs, self.drafts,
                                                     self.generator)
@@ -165,7 +183,7 @@ class SpeculativeDecoder(Decoder):
         if all(self.row_finished):
             self.is_finished, self.kv = True, None
             self.drafter.release()
-        elif isinstance(self.drafter, ModelDrafter):
+        elif self.drafter.has_passes:
             self.drafter.start(self.out, self.gamma)
             self.phase = "draft"
         else:

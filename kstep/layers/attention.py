@@ -117,8 +117,9 @@ class Attention(nn.Module):
         return out.transpose(1, 2).reshape(seg.batch * seg.length, self.n_heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segment],
-                layer_idx: int, is_causal: bool) -> torch.Tensor:
-        """x (N, D) packed tokens; cos, sin (N, hd) at their positions -> (N, D)."""
+                layer_idx: int, is_causal: bool, q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x (N, D) packed tokens; cos, sin (N, hd) at their positions -> (N, D). `q_scale` (N,): a
+        factor on each token's queries after rotary (Llama 4 / Ministral 3's position scaling)."""
         N, H, Hkv, hd = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         cos, sin = cos[:, None], sin[:, None]  # (N, 1, hd): broadcast over heads
         # Projections and rotary run once over every sequence's tokens; only attention is per sequence.
@@ -137,6 +138,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             v = self.v_proj(x).view(N, Hkv, hd)
+        if q_scale is not None:
+            q = q * q_scale[:, None, None].to(q.dtype)  # (N, H, hd)
         with labelled("kstep.attention"):
             outs = [self._attend(q, k, v, seg, layer_idx, is_causal) for seg in segments]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)

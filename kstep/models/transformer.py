@@ -44,8 +44,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = feed_forward(cfg, layer_idx)
 
-    def forward(self, x, cos, sin, segments, layer_idx, is_causal):
-        x = x + self.attn(self.attn_norm(x), cos, sin, segments, layer_idx, is_causal)
+    def forward(self, x, cos, sin, segments, layer_idx, is_causal, q_scale=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, segments, layer_idx, is_causal, q_scale)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -82,8 +82,9 @@ class Transformer(nn.Module):
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
         cos, sin = self.rotary.tables(positions)  # (N, hd) each
+        q_scale = self.rotary.query_scales(positions)  # (N,) or None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, segments, i, self.cfg.is_causal)
+            x = layer(x, cos, sin, segments, i, self.cfg.is_causal, q_scale)
         return self.norm(x)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,

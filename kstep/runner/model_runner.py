@@ -129,7 +129,7 @@ class ModelRunner:
                            kv, cache_start)
 
     def ragged_causal_pass(self, ids: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
-                           real: torch.Tensor, kv: KVCache, is_causal: bool = True, kind: str = "verify",
+                           real: torch.Tensor, kv: KVCache, is_causal: bool | torch.Tensor = True, kind: str = "verify",
                            columns: torch.Tensor | None = None, block_size: int | None = None,
                            attend_until: torch.Tensor | None = None,
                            write_slots: torch.Tensor | None = None) -> ForwardPass:
@@ -140,7 +140,8 @@ class ModelRunner:
         all of them (one block). Logits for the T positions (only `columns` of them when given).
         `attend_until` (B,): the queries also see the cached slots up to there (Fast-dLLM v2's block
         cache: a sub-block against its whole block's keys); `write_slots` (B, T): where each token's
-        keys go instead (a slot never attended, for tokens whose cached keys must stay)."""
+        keys go instead (a slot never attended, for tokens whose cached keys must stay). `is_causal` may
+        be (B,) bool: causal rows and one-block rows in one pass (Nemotron's commits and denoising)."""
         B, T = ids.shape
         offsets = torch.arange(T, device=self.device)
         slots = starts[:, None] + offsets  # (B, T)
@@ -149,7 +150,9 @@ class ModelRunner:
         cached = real[:, :attend_len] & (key < (starts if attend_until is None else attend_until)[:, None])  # (B, S)
         if write_slots is not None:
             slots = write_slots
-        if is_causal:
+        if isinstance(is_causal, torch.Tensor):
+            last = torch.where(is_causal[:, None, None], slots[:, :, None], slots[:, -1:, None])  # (B, T, 1)
+        elif is_causal:
             last = slots[:, :, None]  # (B, T, 1)
         elif block_size is not None:
             last = (starts[:, None] + (offsets // block_size + 1) * block_size - 1)[:, :, None]  # (B, T, 1)

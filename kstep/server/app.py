@@ -180,7 +180,8 @@ class Routes:
         if (field_name := body.unsupported()) is not None:
             raise APIError(400, f"{field_name} is not supported by kstep", field_name)
         try:
-            params = llm.resolve(body.generation_params(route.defaults, default_max_tokens))
+            defaults = llm.family.defaults_for_mode(route.defaults, body.mode or route.defaults.get("mode"))
+            params = llm.resolve(body.generation_params(defaults, default_max_tokens))
             stop = body.stop_strings()
         except ValueError as e:
             raise APIError(400, str(e), param_named_in(str(e), set(SamplingFields.model_fields))) from None
