@@ -35,7 +35,11 @@ for family in ["llada", "dream", "fast_dllm_v2", "sdar", "llada2_moe", "llada_mo
     batch = llm.generate(prompts, max_tokens=16)
     alone = [llm.generate(p, max_tokens=16)[0] for p in prompts]
     same = all(a.token_ids == b.token_ids for a, b in zip(batch, alone))
-    print(family, "ok", [r.nfe for r in batch], "batch == alone:", same)
+    if family not in ("llama", "qwen2"):  # lossless self-speculation: the exact sampler's tokens, batched on cuda
+        exact = llm.generate(prompts, max_tokens=16, exact=True)
+        drafted = llm.generate(prompts, max_tokens=16, draft="self", num_draft_tokens=3)
+        same = same and all(a.token_ids == b.token_ids for a, b in zip(exact, drafted))
+    print(family, "ok", [r.nfe for r in batch], "batch == alone (and draft self == exact):", same)
 EOF
 run tests_cpu_quick 150 $PY -m pytest -q -x tests/test_moe_layer.py tests/test_llada2.py tests/test_block_diffusion.py
 # 2. one pass at real shapes, bf16 and fp32, floors from this GPU's own calibration
@@ -61,7 +65,7 @@ if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
 import kstep
 from kstep.random_checkpoint import write_random_checkpoint
 if __name__ == "__main__":
-    for family in ["llama", "llada", "sdar", "llada2_moe", "llada_moe"]:
+    for family in ["llama", "llada", "sdar", "llada2_moe", "llada_moe", "diffusion_gemma"]:
         path = write_random_checkpoint(f"/tmp/gpu-tp-{family}", family=family, seed=1)
         one = kstep.load(path, device="cuda", dtype="bfloat16")
         two = kstep.load(path, device="cuda", dtype="bfloat16", tensor_parallel_size=2)

@@ -5,6 +5,7 @@ several tokens per step, every deterministic remasking rule, end tokens inside d
 and infilling; fewer sequential passes on the trained llada-coder and block coder; bad values
 refused naming the field (CLI exit 2, HTTP 400); served mixed with ordinary requests as each alone."""
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -120,3 +121,12 @@ def test_served_mixed_with_ordinary_requests_as_alone(llada_server):
             return await asyncio.gather(*(post(h, r) for r in requests))
     assert [r.json()["choices"][0]["text"] for r in asyncio.run(together())] == alone
     assert metric(llada_server, "kstep_draft_tokens_total", 'outcome="drafted"') >= 2 * usage["draft_tokens"]
+
+
+def test_bench_self_spec_reports_identity_passes_and_cost(llada_path, tmp_path):
+    from kstep.cli import main
+    assert main(["bench", "self-spec", "--model", str(llada_path), "--lengths", "16", "--drafts", "3",
+                 "--num-prompts", "2", "--out", str(tmp_path)]) == 0
+    [row] = json.loads((tmp_path / "bench_self_spec.json").read_text())["rows"]
+    assert row["identical"] == row["prompts"] == 2 and row["exact_passes"] == 16
+    assert row["passes"] <= 16 and row["pass_ratio"] >= 1 and row["positions_vs_exact"] >= 1

@@ -75,6 +75,17 @@ def test_two_ranks_generate_what_one_does(models, family):
         assert [r.nfe for r in got] == [r.nfe for r in want], settings
 
 
+@pytest.mark.parametrize("family", ["llama", "llada", "llada_moe", "llada2_moe", "nemotron_labs_diffusion"])
+def test_sharded_layers_give_the_unsharded_logits(models, family):
+    """Every position's logits of a plain pass, gathered from the ranks: the sharded attention (key/value
+    heads split or replicated), MLP, experts, embedding and padded head against their one-rank twins."""
+    one, two = models(family)
+    ids = torch.tensor([PROMPTS[1] * 3])  # (1, 21)
+    positions = torch.arange(ids.shape[1])[None]
+    torch.testing.assert_close(two.runner.whole_pass(ids, positions), one.runner.whole_pass(ids, positions),
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_speculative_decoding_and_one_pass_collectives(checkpoints):
     path = checkpoints["qwen2"]
     one, two = kstep.load(path, draft="ngram"), tensor_parallel(path, draft="ngram")

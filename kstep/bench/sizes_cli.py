@@ -165,3 +165,34 @@ def run_tp(args: argparse.Namespace) -> int:
     (out / "bench_tp.json").write_text(json.dumps({"context": args.context, "rows": rows}, indent=2) + "\n")
     (out / "bench_tp.md").write_text(format_table(rows) + "\n")
     return 0
+
+
+def add_self_spec(kinds) -> None:
+    spec = add_command(kinds, "self-spec", "lossless self-speculation (draft self) against the exact sampler it "
+                       "reproduces: identical tokens, sequential passes, positions, time")
+    spec.add_argument("--model", action="append", default=None,
+                      help="a diffusion checkpoint or bundled name (repeat; default: llada-coder and default)")
+    spec.add_argument("--lengths", default="64,128,256")
+    spec.add_argument("--drafts", default="2,4,8", help="num_draft_tokens values, one row each")
+    spec.add_argument("--num-prompts", type=int, default=8, help="the first held-out code prompts")
+    add_device_flags(spec, threads=True)
+    spec.add_argument("--out", default="out/bench")
+    spec.set_defaults(run=run_self_spec)
+
+
+def run_self_spec(args: argparse.Namespace) -> int:
+    from kstep.bench.prompts import prompt_rows
+    from kstep.bench.self_spec import format_table, measure
+    set_threads(args.threads)
+    check_positive(args, "num_prompts")
+    prompts = [row["prompt"] for row in prompt_rows(None, args.num_prompts)]
+    rows = []
+    for model in args.model or ["llada-coder", "default"]:
+        rows += measure(model, prompts, positive_ints("--lengths", args.lengths),
+                        positive_ints("--drafts", args.drafts), args.device, args.dtype, _progress)
+    print(format_table(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_self_spec.json").write_text(json.dumps({"prompts": len(prompts), "rows": rows}, indent=2) + "\n")
+    (out / "bench_self_spec.md").write_text(format_table(rows) + "\n")
+    return 0

@@ -7,10 +7,12 @@ A block's passes attend to the cached keys of the blocks before it. Each draft o
 cache row of its own (`draft_kv`, K rows per batch row), holding a copy of the row's cache from when
 its block started (the prefix does not change while a block is denoised); a verification pass runs
 the K drafted blocks there, each exactly as the exact sampler's pass over that block would run
-(the same slots, the same mask). A row's block start (its first denoising pass) and its commit
-(the finished block's keys written into its own cache, and a shifted model's next first token) are
-the exact sampler's own passes, on the request's cache; a step may run both kinds of pass, one for
-some rows and one for others, packed by the engine.
+(the same slots, the same mask). A drafted block with no mask left is run too: its pass is the
+exact sampler's commit pass (the finished block's keys, and a shifted model's next first token from
+its last output), so when it is kept its cache row becomes the row's cache and the commit needs no
+pass of its own. A row's block start (its first denoising pass) is the exact sampler's own pass,
+on the request's cache; a step may run both kinds of pass, one for some rows and one for others,
+packed by the engine.
 """
 import torch
 
@@ -42,7 +44,9 @@ class BlockSelfSpeculativeDecoder(Decoder):
         if self.is_finished:
             return []
         active = ex.phase != DONE
-        if ex.needs_prefill or bool((active & ((ex.phase == COMMIT) | ~self.has_pred)).any()):
+        # the rows the exact sampler's pass serves, fixed now: a draft pass may commit a row before it returns
+        self.committing, self.starting = active & (ex.phase == COMMIT), active & (ex.phase == DENOISE) & ~self.has_pred
+        if ex.needs_prefill or bool((self.committing | self.starting).any()):
             passes += ex.next_passes()  # the exact sampler's own: a prefill, block starts and commits
             if not ex.needs_prefill:
                 passes[-1].logits_columns, ex.columns = None, None  # every position: drafts read the whole block
@@ -87,10 +91,7 @@ class BlockSelfSpeculativeDecoder(Decoder):
     def _exact_pass(self, logits: torch.Tensor) -> None:
         """The exact sampler's pass (B, bs, V): commits for the rows that finished a block, and the
         predictions of each block that starts (its prefix copied to the row's draft caches)."""
-        ex = self.exact
-        active = ex.phase != DONE
-        commit = active & (ex.phase == COMMIT)
-        starting = active & (ex.phase == DENOISE) & ~self.has_pred
+        ex, commit, starting = self.exact, self.committing, self.starting
         ex.row_nfe += commit | starting
         ex._commit(logits[:, -1], commit)
         if not bool(starting.any()):
@@ -149,24 +150,21 @@ class BlockSelfSpeculativeDecoder(Decoder):
             in_chain.append(alive)
             alive = alive & self._has_masks(block)
         self.chain, self.in_chain = torch.stack(chain, 1), torch.stack(in_chain, 1)  # (B, K, bs), (B, K)
-        self.verified = self.in_chain & self._has_masks(self.chain)
-        lone = self.in_chain[:, 0] & ~self.verified[:, 0]
-        if bool(lone.any()):
-            current = ex.canvas.gather(1, index)
-            ex.canvas.scatter_(1, index, torch.where(lone[:, None], self.chain[:, 0], current))
-            ex.passes_in_block += lone.long()
+        self.verified = self.in_chain  # a draft without masks runs as its block's commit
 
     def _verify(self, logits: torch.Tensor) -> None:
         """Keep each row's drafts while the next one is the exact step from the one before; its block
         becomes the last kept one, whose predictions start its next chain."""
         ex, (B, K, bs) = self.exact, self.chain.shape
+        raw = logits
         rows = torch.arange(B, device=logits.device).repeat_interleave(K)  # each pass row's batch row
         tokens, confidence = self._scores(ex._block_logits(logits, torch.zeros_like(rows)), rows)
         tokens, confidence = tokens.view(B, K, bs), confidence.view(B, K, bs)
         passes = ex.passes_in_block[:, None] + torch.arange(1, K + 1, device=logits.device)  # (B, K)
         exact_next = self._step(self.chain.reshape(-1, bs), tokens.reshape(-1, bs), confidence.reshape(-1, bs),
                                 passes.reshape(-1), self.verified.reshape(-1)).view(B, K, bs)
-        agrees = (exact_next[:, :-1] == self.chain[:, 1:]).all(-1) & self.in_chain[:, 1:] & self.verified[:, :-1]
+        agrees = (exact_next[:, :-1] == self.chain[:, 1:]).all(-1) & self.in_chain[:, 1:] & \
+            self._has_masks(self.chain[:, :-1])
         kept = agrees.long().cumprod(-1).sum(-1)  # (B,) drafts kept beyond the first
         live = self.in_chain[:, 0]
         self.num_drafted += int((self.in_chain[:, 1:].sum(-1) * live).sum())
@@ -175,7 +173,14 @@ class BlockSelfSpeculativeDecoder(Decoder):
         index = self._block_index(b)
         ex.canvas.scatter_(1, index, torch.where(live[:, None], self.chain[b, kept], ex.canvas.gather(1, index)))
         ex.passes_in_block += torch.where(live, kept + 1, 0)
-        more = live & self.verified[b, kept]  # its last kept draft still has masks: its predictions go on
+        done = live & ~self._has_masks(self.chain[b, kept])  # its kept draft finished the block: the commit ran
+        finished = done & ex._is_final()  # a final row needs no commit (nor a next block)
+        done = done & ~finished
+        if bool(done.any()):
+            src = (b * K + kept)[done].tolist()
+            ex.runner.copy_kv(self.draft_kv, ex.kv, src, b[done].tolist())
+            ex._commit(raw[b * K + kept][:, -1], done)  # the next block, and a shifted model's first token
+        more = live & ~done & ~finished  # its last kept draft still has masks: its predictions go on
         self.tokens = torch.where(more[:, None], tokens[b, kept], self.tokens)
         self.confidence = torch.where(more[:, None], confidence[b, kept], self.confidence)
         self.has_pred = (self.has_pred & ~live) | more

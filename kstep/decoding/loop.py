@@ -8,7 +8,8 @@ from kstep.runner.model_runner import execute_passes
 
 def decode_alone(decoder: Decoder, timings: dict[str, float], costs=None) -> tuple[list[list[int]], list[int]]:
     """Step the decoder to the end; returns per row its committed tokens and its nfe. Adds
-    `{kind}_pass_seconds` and `num_{kind}_passes` to timings; one-row single passes also go to
+    `{kind}_pass_seconds`, `num_{kind}_passes` and `positions_computed` (tokens run through the model)
+    to timings; one-row single passes also go to
     `costs` (budget.PassCosts), which keeps the time-budget planner's table current."""
     rows: list[list[int]] | None = None
     row_nfe: list[int] = []
@@ -19,6 +20,7 @@ def decode_alone(decoder: Decoder, timings: dict[str, float], costs=None) -> tup
         for p in passes:
             p.runner.synchronize()
         seconds = (time.perf_counter() - start) / len(passes)
+        timings["positions_computed"] = timings.get("positions_computed", 0) + sum(p.num_tokens for p in passes)
         for p in passes:
             timings[f"{p.kind}_pass_seconds"] = timings.get(f"{p.kind}_pass_seconds", 0.0) + seconds
             timings[f"num_{p.kind}_passes"] = timings.get(f"num_{p.kind}_passes", 0) + 1
