@@ -18,7 +18,9 @@ def timed(llm: LLM, prompt: str, n: int, **settings) -> tuple[list[int], dict]:
     seconds = time.perf_counter() - start
     return out.token_ids, {"seconds": seconds, "passes": out.timings["batch_passes"],
                            "positions": out.timings.get("positions_computed"),
-                           "drafted": out.timings.get("drafted_tokens", 0), "kept": out.timings.get("accepted_tokens", 0)}
+                           "drafted": out.timings.get("drafted_tokens", 0), "kept": out.timings.get("accepted_tokens", 0),
+                           "on_position": out.timings.get("broke_on_position", 0),
+                           "on_token": out.timings.get("broke_on_token", 0)}
 
 
 def measure(model: str, prompts: list[str], lengths: list[int], drafts: list[int], device: str, dtype: str,
@@ -38,6 +40,8 @@ def measure(model: str, prompts: list[str], lengths: list[int], drafts: list[int
                          "pass_ratio": exact_passes / passes,
                          "positions_vs_exact": sum(r[1]["positions"] for r in runs) / sum(e[1]["positions"] for e in exact),
                          "acceptance": sum(r[1]["kept"] for r in runs) / drafted if drafted else 0.0,
+                         "broke_on_position": sum(r[1]["on_position"] for r in runs),
+                         "broke_on_token": sum(r[1]["on_token"] for r in runs),
                          "time_ratio": statistics.median(e[1]["seconds"] / r[1]["seconds"]
                                                          for r, e in zip(runs, exact))})
             if progress:
@@ -47,11 +51,18 @@ def measure(model: str, prompts: list[str], lengths: list[int], drafts: list[int
 
 def format_row(r: dict) -> str:
     return (f"| {r['model']} | {r['n']} | {r['drafts']} | {r['identical']}/{r['prompts']} | {r['exact_passes']:.1f} | "
-            f"{r['passes']:.1f} | **{r['pass_ratio']:.2f}x** | {r['acceptance']:.0%} | {r['positions_vs_exact']:.2f}x | "
-            f"{r['time_ratio']:.2f}x |")
+            f"{r['passes']:.1f} | **{r['pass_ratio']:.2f}x** | {r['acceptance']:.0%} | {breaks(r)} | "
+            f"{r['positions_vs_exact']:.2f}x | {r['time_ratio']:.2f}x |")
+
+
+def breaks(r: dict) -> str:
+    """Where the drafts broke: the share of rounds whose exact step filled another position."""
+    total = r["broke_on_position"] + r["broke_on_token"]
+    return f"{r['broke_on_position'] / total:.0%}" if total else "-"
 
 
 def format_table(rows: list[dict]) -> str:
     head = ("| model | N | K | identical to exact | exact passes | passes | fewer passes | drafts kept | "
-            "positions vs exact | time vs exact (this CPU) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "breaks on a position (else a token) | positions vs exact | time vs exact (this CPU) |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     return "\n".join([head] + [format_row(r) for r in rows])

@@ -20,6 +20,7 @@ from kstep.decoding.base import Decoder, prefix_step_output
 from kstep.decoding.block_diffusion import COMMIT, DENOISE, DONE, BlockDiffusionDecoder
 from kstep.decoding.block_unmask import block_scores, choose_in_block
 from kstep.decoding.sampling import constrain_outputs
+from kstep.decoding.self_speculation import count_breaks
 from kstep.outputs import StepOutput
 from kstep.runner.model_runner import ForwardPass, asking
 
@@ -36,6 +37,7 @@ class BlockSelfSpeculativeDecoder(Decoder):
         self.kinds: list[str] = []
         self.nfe, self.is_finished = 0, exact.is_finished
         self.num_drafted = self.num_accepted = self.num_positions = 0
+        self.breaks = [0, 0]  # drafts that broke on another position, on another token
 
     # --- the passes -------------------------------------------------------------------------------
 
@@ -169,6 +171,8 @@ class BlockSelfSpeculativeDecoder(Decoder):
         live = self.in_chain[:, 0]
         self.num_drafted += int((self.in_chain[:, 1:].sum(-1) * live).sum())
         self.num_accepted += int((kept * live).sum())
+        self.breaks = [a + b for a, b in zip(self.breaks, count_breaks(self.chain, exact_next, self.in_chain, kept,
+                                                                      live))]
         b = torch.arange(B, device=kept.device)
         index = self._block_index(b)
         ex.canvas.scatter_(1, index, torch.where(live[:, None], self.chain[b, kept], ex.canvas.gather(1, index)))
@@ -189,4 +193,5 @@ class BlockSelfSpeculativeDecoder(Decoder):
         """Drafts offered beyond each pass's exact step and those kept, and the positions computed."""
         return {"acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
                 "drafted_tokens": self.num_drafted, "accepted_tokens": self.num_accepted,
-                "positions_computed": self.num_positions}
+                "positions_computed": self.num_positions, "broke_on_position": self.breaks[0],
+                "broke_on_token": self.breaks[1]}

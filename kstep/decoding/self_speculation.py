@@ -26,6 +26,19 @@ from kstep.outputs import StepOutput
 from kstep.runner.model_runner import ForwardPass, asking
 
 
+def count_breaks(chain: torch.Tensor, exact_next: torch.Tensor, in_chain: torch.Tensor, kept: torch.Tensor,
+                 live: torch.Tensor) -> tuple[int, int]:
+    """Where each live row's drafts broke (chain (B, K, L), the exact step from each (B, K, L), kept
+    (B,)): (rows whose exact step filled other positions than the next draft, rows where it filled the
+    same positions with other tokens). A row whose drafts all held is in neither."""
+    b = torch.arange(chain.shape[0], device=chain.device)
+    broke = live & (kept + 1 < chain.shape[1]) & in_chain[b, (kept + 1).clamp(max=chain.shape[1] - 1)]
+    at = kept.clamp(max=chain.shape[1] - 2)
+    base, drafted, exact = chain[b, at], chain[b, at + 1], exact_next[b, at]  # (B, L) each
+    same_places = ((drafted != base) == (exact != base)).all(-1)
+    return int((broke & ~same_places).sum()), int((broke & same_places).sum())
+
+
 class SelfSpeculativeDecoder(Decoder):
     def __init__(self, exact: DiffusionDecoder, num_draft_tokens: int):
         self.exact, self.num_draft = exact, num_draft_tokens
@@ -35,6 +48,7 @@ class SelfSpeculativeDecoder(Decoder):
         self.chain: torch.Tensor | None = None  # (B, K, L) the drafts; None: the block starts with a pass
         self.nfe, self.is_finished = 0, exact.is_finished
         self.num_drafted = self.num_accepted = self.num_positions = 0
+        self.breaks = [0, 0]  # drafts that broke on another position, on another token
 
     # --- the passes -------------------------------------------------------------------------------
 
@@ -115,6 +129,8 @@ class SelfSpeculativeDecoder(Decoder):
         live = self.in_chain[:, 0]
         self.num_drafted += int((self.in_chain[:, 1:].sum(-1) * live).sum())
         self.num_accepted += int((kept * live).sum())
+        self.breaks = [a + b for a, b in zip(self.breaks, count_breaks(self.chain, exact_next, self.in_chain, kept,
+                                                                      live))]
         last = self.chain[torch.arange(B, device=kept.device), kept]  # (B, L)
         ex.canvas.copy_(torch.where(live[:, None], last, ex.canvas))
         self.step_idx += torch.where(live, kept + 1, 0)
@@ -136,4 +152,5 @@ class SelfSpeculativeDecoder(Decoder):
         """Drafts offered beyond each pass's exact step and those kept, and the positions computed."""
         return {"acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
                 "drafted_tokens": self.num_drafted, "accepted_tokens": self.num_accepted,
-                "positions_computed": self.num_positions}
+                "positions_computed": self.num_positions, "broke_on_position": self.breaks[0],
+                "broke_on_token": self.breaks[1]}
