@@ -71,7 +71,10 @@ def resolve_diffusion(p: "GenerationParams", whole_canvas_reference: bool) -> "G
     """Defaults: the dual cache, and the 0.9 confidence threshold unless `steps` or `factor`
     chooses the policy; `exact` turns both off (one forward pass per token unless steps). Checks
     the block/step arithmetic of LLaDA's sampler."""
-    exact = p.exact or p.draft == SELF_DRAFT  # self-speculation is the exact sampler's, in fewer passes
+    # self-speculation is the fixed-schedule greedy sampler's, in fewer passes: the exact sampler's
+    # without a cache, and with a prefix or dual cache the same sampler run with that cache
+    speculative = p.draft == SELF_DRAFT
+    exact = p.exact or (speculative and p.cache in (None, "none"))
     cache = "none" if exact else p.cache or DEFAULT_CACHE
     block = p.block_length
     if block is None and exact and whole_canvas_reference:
@@ -93,7 +96,7 @@ def resolve_diffusion(p: "GenerationParams", whole_canvas_reference: bool) -> "G
         policy = UnmaskPolicy("threshold", p.threshold)
     elif p.factor is not None:
         policy = UnmaskPolicy("factor", p.factor)
-    elif p.steps is None and not exact:
+    elif p.steps is None and not exact and not speculative:
         if p.remasking == "entropy":
             raise ValueError("remasking 'entropy' scores negative entropy, which the default confidence "
                              "threshold cannot compare: give steps (a fixed schedule)")
@@ -102,7 +105,7 @@ def resolve_diffusion(p: "GenerationParams", whole_canvas_reference: bool) -> "G
         policy = UnmaskPolicy("fixed", steps // num_blocks)
     if whole_canvas_reference:
         check_dream_schedule(cache, policy.kind, block, steps // num_blocks)
-    drafts = check_self_speculation(p, steps // num_blocks, DEFAULT_NUM_DRAFT_TOKENS)
+    drafts = check_self_speculation(p, steps // num_blocks, DEFAULT_NUM_DRAFT_TOKENS, takes_cache=True)
     threshold = policy.value if policy.kind == "threshold" else None
     return replace(p, block_length=block, steps=steps, cache=cache, threshold=threshold, policy=policy,
                    exact=exact, num_draft_tokens=drafts, is_resolved=True)

@@ -52,10 +52,12 @@ def check_dream_schedule(cache: str, policy: str, block: int, steps_per_block: i
 
 
 
-def check_self_speculation(params, steps_per_block: int, default_drafts: int) -> int | None:
+def check_self_speculation(params, steps_per_block: int, default_drafts: int, takes_cache: bool = False
+                           ) -> int | None:
     """The drafts per pass of a `draft="self"` request (decoding/self_speculation.py), None without
-    one: lossless only where the exact sampler is deterministic (greedy, a score that is not
-    random); a ValueError naming the field otherwise."""
+    one: lossless only where the sampler is deterministic (greedy, a fixed schedule, a score that is
+    not random); a ValueError naming the field otherwise. `takes_cache`: a canvas model's prefix and
+    dual caches (the drafts run as window passes against copies of the block start's cache)."""
     if params.draft is None:
         if params.num_draft_tokens:
             raise ValueError("num_draft_tokens: a diffusion model drafts for itself: give draft 'self' too")
@@ -67,9 +69,11 @@ def check_self_speculation(params, steps_per_block: int, default_drafts: int) ->
         if bad:
             raise ValueError(f"draft 'self' gives the exact greedy sampler's tokens in fewer passes: it takes no "
                              f"{name} {getattr(params, name)!r}")
-    if params.cache not in (None, "none") or params.threshold is not None or params.factor is not None:
-        raise ValueError("draft 'self' is the exact sampler's (no cache, fixed schedule): it takes no cache, "
-                         "threshold or factor")
+    if params.threshold is not None or params.factor is not None:
+        raise ValueError("draft 'self' is the fixed schedule's sampler: it takes no threshold or factor")
+    if params.cache not in (None, "none") and not takes_cache:
+        raise ValueError(f"draft 'self' on a block model is its exact sampler's: it takes no cache "
+                         f"{params.cache!r} (its finished blocks are cached either way)")
     drafts = default_drafts if params.num_draft_tokens is None else params.num_draft_tokens
     check_int("num_draft_tokens", drafts, 1, steps_per_block, f"[1, the {steps_per_block} passes of a block] "
               "with draft 'self'")

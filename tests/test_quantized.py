@@ -6,7 +6,7 @@ from torch import nn
 
 import kstep
 from kstep.bench.ar import run_ar_bench
-from kstep.layers.quantized import Int4Linear, Int8Linear, model_bytes, quantize_model
+from kstep.layers.quantized import HAS_INT8_KERNEL, Int4Linear, Int8Linear, model_bytes, quantize_model
 
 
 @pytest.mark.parametrize("kind,tolerance", [(Int8Linear, 0.01), (Int4Linear, 0.12)])
@@ -19,7 +19,10 @@ def test_quantized_linear_approximates_the_float_one(kind, tolerance):
     assert rel < tolerance, rel
     assert q(x).shape == (5, 7, 48)
     exact = torch.nn.functional.linear(x, q.dequantized(torch.float32), linear.bias)
-    torch.testing.assert_close(q(x), exact)  # the fallback is exactly dequantize-then-matmul
+    if kind is Int8Linear and HAS_INT8_KERNEL:  # torch's int8 kernel: activations and outputs in bf16
+        torch.testing.assert_close(q(x), exact, rtol=2e-2, atol=2e-2)
+    else:
+        torch.testing.assert_close(q(x), exact)  # the fallback is exactly dequantize-then-matmul
 
 
 def test_int4_packs_two_codes_per_byte_and_falls_back_to_int8():

@@ -57,6 +57,23 @@ def test_self_speculation_gives_the_exact_tokens(tmp_path, family):
     same_as_exact(ended, PROMPTS, {"max_tokens": 32}, drafts)
 
 
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_with_a_cache_it_gives_the_cached_samplers_tokens(tmp_path, family):
+    """With a prefix or dual cache, the fixed schedule run with that cache (drafts as window passes on
+    copies of the block start's cache; Dream's block sampler commits a block's first token first)."""
+    llm = kstep.load(write_random_checkpoint(tmp_path / "ckpt", family=family, seed=3))
+    for cache, settings in (("dual", {"max_tokens": 48, "block_length": 16}),
+                            ("prefix", {"max_tokens": 32, "block_length": 16, "remasking": "margin"}),
+                            ("dual", {"max_tokens": 32, "block_length": 16, "steps": 16, "min_tokens": 20})):
+        steps = settings.get("steps", settings["max_tokens"])
+        kw = {**settings, "steps": steps, "cache": cache}
+        want = llm.generate(PROMPTS, **kw)
+        for k in (2, 5):
+            got = llm.generate(PROMPTS, draft="self", num_draft_tokens=k, **kw)
+            assert [r.token_ids for r in got] == [r.token_ids for r in want], (cache, settings, k)
+        assert got[0].timings["batch_passes"] <= want[0].nfe
+
+
 def test_infilling_with_self_speculation(llada_path):
     llm = kstep.load(llada_path)
     same_as_exact(llm, [[5, 6, 7]], {"max_tokens": 16}, suffix=[30, 31, 32])
@@ -77,12 +94,18 @@ def test_fewer_passes_on_the_trained_coders(model):
     ({"num_draft_tokens": 40}, "num_draft_tokens"),
     ({"temperature": 0.5}, "temperature"),
     ({"remasking": "random"}, "remasking"),
-    ({"cache": "dual"}, "cache"),
+    ({"threshold": 0.9}, "threshold"),
+    ({"exact": True, "cache": "dual"}, "cache"),
     ({"cfg_scale": 0.5}, "cfg_scale"),
 ])
 def test_bad_values_are_refused_naming_the_field(llada_path, settings, needle):
     with pytest.raises(ValueError, match=needle):
         kstep.load(llada_path).generate([[5, 6]], max_tokens=32, draft="self", **settings)
+
+
+def test_a_block_models_self_speculation_takes_no_cache(v2_path):
+    with pytest.raises(ValueError, match="takes no cache 'dual'"):
+        kstep.load(v2_path).generate([[5, 6]], max_tokens=8, draft="self", cache="dual")
 
 
 def test_draft_self_needs_a_diffusion_model(llama_path, gemma_path, llada_path):

@@ -16,9 +16,10 @@ def _progress(line: str) -> None:
 def add_bench(sub) -> None:
     bench = add_command(sub, "bench", "benchmarks (ratios against a baseline measured in the same run)", "KIND")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND", prog=bench.prog)
+    from kstep.bench.llamacpp.cli import add_llamacpp
     from kstep.bench.sizes_cli import add_load, add_moe, add_passes, add_self_spec, add_tp
     for add in (_add_decode, _add_compare, _add_quant, _add_ar, _add_serve, add_moe, add_load, add_passes, add_tp,
-                add_self_spec):
+                add_self_spec, add_llamacpp):
         add(kinds)
 
 

@@ -175,6 +175,8 @@ def add_self_spec(kinds) -> None:
     spec.add_argument("--lengths", default="64,128,256")
     spec.add_argument("--drafts", default="2,4,8", help="num_draft_tokens values, one row each")
     spec.add_argument("--num-prompts", type=int, default=8, help="the first held-out code prompts")
+    spec.add_argument("--cache", choices=["none", "prefix", "dual"], default="none",
+                      help="none: against exact; prefix/dual (canvas models): against the fixed schedule with that cache")
     add_device_flags(spec, threads=True)
     spec.add_argument("--out", default="out/bench")
     spec.set_defaults(run=run_self_spec)
@@ -189,7 +191,7 @@ def run_self_spec(args: argparse.Namespace) -> int:
     rows = []
     for model in args.model or ["llada-coder", "default"]:
         rows += measure(model, prompts, positive_ints("--lengths", args.lengths),
-                        positive_ints("--drafts", args.drafts), args.device, args.dtype, _progress)
+                        positive_ints("--drafts", args.drafts), args.device, args.dtype, _progress, args.cache)
     print(format_table(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,15 @@ sampler's canvases, and the last kept one's predictions start the next round: a 
 1 + (drafts kept) steps, at the price of K canvases' positions (on a bandwidth-bound GPU a pass of
 K canvases costs about one; on this CPU it costs about K).
 
+With a prefix or dual cache (Fast-dLLM's), the sampler to equal is the same fixed schedule run with
+that cache: a block starts with a full pass that caches every position's keys/values, and each later
+step is a window pass against that cache. Each draft of a row then gets a KV cache row of its own
+(`draft_kv`, K rows per batch row) holding a copy of the row's cache from its block start, and the
+verification runs the K drafts as window passes there: only the open window's positions (the block
+alone with the dual cache), each draft's pass the one the cached sampler would run on it. Dream's
+block sampler commits a block's first token from its block-start pass; its drafts start from the
+block's second pass.
+
 A draft that completes the block ends the chain and needs no verification of its own (the next
 block starts with a pass of its own, as in the exact sampler); a chain whose first draft completes
 the block is applied without a pass. Rows of a batch advance apart, each at its own step of the
@@ -46,6 +55,8 @@ class SelfSpeculativeDecoder(Decoder):
         self.step_idx = torch.zeros(B, dtype=torch.long, device=device)  # each row's steps in the block
         self.row_nfe = torch.zeros(B, dtype=torch.long, device=device)
         self.chain: torch.Tensor | None = None  # (B, K, L) the drafts; None: the block starts with a pass
+        self.in_chain = self.verified = torch.zeros(B, num_draft_tokens, dtype=torch.bool, device=device)
+        self.draft_kv = None  # with a cache: K rows per batch row, allocated with the first drafts
         self.nfe, self.is_finished = 0, exact.is_finished
         self.num_drafted = self.num_accepted = self.num_positions = 0
         self.breaks = [0, 0]  # drafts that broke on another position, on another token
@@ -57,35 +68,72 @@ class SelfSpeculativeDecoder(Decoder):
             return []
         if self.chain is None:  # a block's first pass: the exact sampler's own
             passes = self.exact.next_passes()
-        else:  # the drafts still masked somewhere in the block, one canvas row each
-            ex = self.exact
-            start, end = ex.block
-            shift = ex.logits_shift
-            rows = self.verified.nonzero()[:, 0]
-            key_mask = None if ex.key_mask is None else ex.key_mask[rows]
-            canvases = self.chain[self.verified]  # (R, L), row-major: a row's drafts in order
-            passes = asking([ex.runner.full_pass(canvases, key_mask, start - shift, end - shift)], ex.top)
+        else:
+            passes = asking([self._draft_pass()], self.exact.top)
         self.num_positions += sum(p.num_tokens for p in passes)
         return passes
+
+    def _draft_pass(self) -> ForwardPass:
+        """Without a cache, the drafts still masked somewhere in the block, one canvas row each
+        (row-major: a row's drafts in order); with one, every draft (B * K rows) as a window pass on
+        its own copy of its row's cache."""
+        ex, K = self.exact, self.num_draft
+        (start, end), shift = ex.block, ex.logits_shift
+        if ex.kv is None:
+            rows = self.verified.nonzero()[:, 0]
+            key_mask = None if ex.key_mask is None else ex.key_mask[rows]
+            return ex.runner.full_pass(self.chain[self.verified], key_mask, start - shift, end - shift)
+        B, _, L = self.chain.shape
+        key_mask = None if ex.key_mask is None else ex.key_mask.repeat_interleave(K, 0)
+        window_end = L if ex.params.cache == "prefix" else end
+        # Dream's window row j - 1 predicts block column j; its column 0 was committed at the block start
+        return ex.runner.window_pass(self.chain.reshape(B * K, L), key_mask, start, window_end, L,
+                                     end - start - shift, self.draft_kv)
+
+    def _verified_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verification pass's logits of the verified drafts (R, t, V), and the block columns they predict."""
+        ex, bs = self.exact, self.exact.params.block_length
+        if ex.kv is None:
+            return logits, torch.arange(bs, device=logits.device)
+        return logits[self.verified.reshape(-1)], torch.arange(ex.logits_shift, bs, device=logits.device)
+
+    def _copy_cache(self, rows: torch.Tensor) -> None:
+        """Each drafting row's cache, as its block start left it, into its K draft rows."""
+        ex, K = self.exact, self.num_draft
+        if ex.kv is None:
+            return
+        if self.draft_kv is None:
+            self.draft_kv = ex.runner.allocate_kv(rows.shape[0] * K, ex.canvas.shape[1])
+        src = rows.nonzero()[:, 0].tolist()
+        ex.runner.copy_kv(ex.kv, self.draft_kv, [b for b in src for _ in range(K)],
+                          [b * K + k for b in src for k in range(K)])
 
     def update(self, logits: list[torch.Tensor]) -> StepOutput:
         [logits] = logits
         ex, self.nfe = self.exact, self.nfe + 1
-        start, end = ex.block
         if self.chain is None:
             candidates, confidence = ex.scores(logits, ex.columns, getattr(ex, "drawn_over", None))
-            self.row_nfe += self._has_masks(ex.canvas)
-            self._draft(candidates, confidence, self._has_masks(ex.canvas))
+            has_masks = self._has_masks(ex.canvas)
+            self.row_nfe += has_masks
+            if getattr(ex, "is_block_sampler", False) and ex.step_idx == 0:
+                ex.step(ex.canvas, candidates, confidence, 0)  # Dream's block start: its first token
+                ex.step_idx, self.step_idx = 1, self.step_idx + 1
+            else:
+                self._copy_cache(has_masks)
+                self._draft(candidates, confidence, has_masks)
         else:
             self.row_nfe += self.verified.any(-1)
             rows = self.verified.nonzero()[:, 0]
-            self._verify(*ex.scores(logits, torch.arange(end - start, device=ex.canvas.device), rows=rows))
+            verified_logits, columns = self._verified_logits(logits)
+            self._verify(*ex.scores(verified_logits, columns, rows=rows))
         self._apply_lone_steps()
         if not bool(self._has_masks(ex.canvas).any()):  # every row has finished the block
             ex.step_idx = 0
             ex._advance()
             self.is_finished, self.chain = ex.is_finished, None
             self.step_idx.zero_()
+            if self.is_finished:
+                self.draft_kv = None
         return prefix_step_output(self, ex.completions, ex.committed, ex.mask_id, ex.stop_ids, self.row_nfe,
                                   ex.include_canvas)
 

@@ -3,17 +3,33 @@
 int8: symmetric, one scale per output channel; int4: asymmetric, a scale and a minimum per group
 of `group_size` input channels, two codes per byte. Activations stay in the compute dtype.
 
-Kernels: torch's packed CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, the
-ones gpt-fast and torchao call) were measured on this project's CPU at 8-60x slower than the fp32
-matmul at our shapes (e.g. 32 x 256 -> 704: fp32 0.2 ms, int8 kernel 12.4 ms, dequantize + fp32
-matmul 0.4 ms), so every device takes the fallback: dequantize the layer's weight for each matmul.
-The weights rest at 1 (int8) or 0.5 (int4) bytes each, which is what quantization buys here; the
-time per pass goes up, not down (see `kstep bench quant`). A GPU with real low-bit kernels would
-gain time as well, since decoding there is bound by weight bandwidth.
+Kernels: int8 on the CPU runs torch's `_weight_int8pack_mm` (the kernel gpt-fast and torchao call)
+where the CPU has bf16 instructions (oneDNN's bf16 probe): activations rounded to bf16 (as
+llama.cpp's Q8_0 rounds them to 8 bits), the int8 weight read as is. Measured at a 0.5B model's
+9728 x 896 gate/up: 0.26 ms at one row against 25.5 ms for dequantizing the weight to float32 per
+matmul, 8.7 against 51 ms at 64 rows. Elsewhere (CUDA, a CPU without bf16, int4) every matmul
+dequantizes its layer's weight first: the weights rest at 1 (int8) or 0.5 (int4) bytes each, which
+is what quantization buys there, and the time per pass goes up (see `kstep bench quant`).
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def _probe_int8_kernel() -> bool:
+    """Whether torch's int8 weight kernel runs here on the CPU with bf16 activations, fast: only
+    where the CPU has bf16 instructions (on an AVX2 CPU it was measured 8-60x slower than float32)."""
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+        out = torch.ops.aten._weight_int8pack_mm(torch.ones(1, 32, dtype=torch.bfloat16),
+                                                 torch.ones(8, 32, dtype=torch.int8), torch.ones(8, dtype=torch.bfloat16))
+        return bool((out == 32).all())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+HAS_INT8_KERNEL = _probe_int8_kernel()
 
 
 class Int8Linear(nn.Module):
@@ -22,19 +38,22 @@ class Int8Linear(nn.Module):
         w = linear.weight.detach().float().contiguous()  # fused weights are transposed views
         scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
         codes = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-        # Stored (in, out), as the float layers (kstep.layers.attention.fuse_linears): x @ W is the
-        # faster matmul at decode shapes, and dequantizing keeps the layout.
-        self.register_buffer("weight_int8", codes.t().contiguous())
-        self.register_buffer("scales", scales.to(linear.weight.dtype)[None, :])  # (1, out)
+        self.register_buffer("weight_int8", codes)  # (out, in): the int8 kernel's layout
+        self.register_buffer("scales", scales.to(linear.weight.dtype))  # (out,)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.out_features, self.in_features = w.shape
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The (out, in) weight (a transposed view)."""
-        return (self.weight_int8.to(dtype) * self.scales.to(dtype)).t()
+        """The (out, in) weight."""
+        return self.weight_int8.to(dtype) * self.scales.to(dtype)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x @ self.dequantized(x.dtype).t()
+        if HAS_INT8_KERNEL and not x.is_cuda:
+            flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales.to(torch.bfloat16))
+            out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        else:
+            out = F.linear(x, self.dequantized(x.dtype))
         return out if self.bias is None else out + self.bias
 
 

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import torch
 
+from kstep.layers.linear import pack_fused_weights
 from kstep.layers.quantized import quantize_model
 from kstep.runner.model_runner import ModelRunner
 from kstep.weights import load_model
@@ -21,6 +22,7 @@ def load_runner(path: Path, device: torch.device, dtype: torch.dtype, quantize: 
         model = load_model(path, device, dtype)
         if quantize is not None:
             quantize_model(model, quantize)
+        pack_fused_weights(model)  # CPU: large projection weights in oneDNN's blocked layout
         return ModelRunner(model)
     if quantize is not None:
         raise ValueError(f"quantize {quantize!r} with tensor_parallel_size {tensor_parallel_size}: weight-only "

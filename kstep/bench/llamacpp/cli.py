@@ -1,0 +1,78 @@
+"""`kstep bench llamacpp`: the flags, and the prompt both engines get (ar.py runs the comparison)."""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kstep.flags import add_command, check_positive
+
+DEFAULT_ROOT = ".kstep-cache/llamacpp"
+
+
+def add_llamacpp(kinds) -> None:
+    bench = add_command(kinds, "llamacpp", "kstep's AR engine against llama.cpp on the same weights, prompt and "
+                        "length (float32/F32, bfloat16/BF16, int8/Q8_0): tokens/s, ratios, identical ids "
+                        "(needs scripts/build_llamacpp.sh)")
+    bench.add_argument("--model", action="append", default=None,
+                       help="an AR checkpoint (a directory or bundled name; repeat)")
+    bench.add_argument("--shape", action="append", default=None,
+                       help="a published shape (kstep/shapes.py, e.g. qwen2.5-0.5b): a random qwen2 checkpoint "
+                            "written once under --work (repeat; default qwen2.5-0.5b when no --model)")
+    bench.add_argument("--weights", default="float32,bfloat16,int8",
+                       help="kstep weights, each against its GGUF type: float32 (F32), bfloat16 (BF16), int8 (Q8_0)")
+    bench.add_argument("--prompt-tokens", type=int, default=64)
+    bench.add_argument("--max-tokens", type=int, default=64)
+    bench.add_argument("--threads", type=int, default=2, help="threads of each engine (default 2)")
+    bench.add_argument("--repeats", type=int, default=3, help="interleaved rounds per row")
+    bench.add_argument("--llamacpp", default=DEFAULT_ROOT, help="where scripts/build_llamacpp.sh built llama.cpp")
+    bench.add_argument("--work", default=f"{DEFAULT_ROOT}/models", help="converted GGUFs and random checkpoints")
+    bench.add_argument("--out", default="out/bench")
+    bench.set_defaults(run=run_llamacpp_bench)
+
+
+def prompt_ids(checkpoint: Path, count: int) -> list[int]:
+    """The held-out code prompts in the checkpoint's tokenizer, cycled to `count` ids."""
+    from tokenizers import Tokenizer
+
+    from kstep.bench.prompts import held_out_code_prompts
+    ids = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode("\n".join(held_out_code_prompts())).ids
+    return [ids[i % len(ids)] for i in range(count)]
+
+
+def checkpoints(args: argparse.Namespace) -> list[Path]:
+    from kstep.bundled import resolve_model
+    from kstep.random_checkpoint import write_random_checkpoint
+    from kstep.shapes import SHAPES
+    paths = [Path(resolve_model(m)) for m in args.model or []]
+    for shape in args.shape or ([] if args.model else ["qwen2.5-0.5b"]):
+        if shape not in SHAPES:
+            raise ValueError(f"--shape {shape!r}: not one of {', '.join(SHAPES)}")
+        path = Path(args.work) / f"random-qwen2-{shape}"
+        if not (path / "config.json").exists():
+            write_random_checkpoint(path, family="qwen2", seed=0, shape=shape)
+        paths.append(path)
+    return paths
+
+
+def run_llamacpp_bench(args: argparse.Namespace) -> int:
+    from kstep.bench.llamacpp.ar import OUTTYPES, compare, format_row, format_table, llamacpp_paths
+    check_positive(args, "prompt_tokens", "max_tokens", "threads", "repeats")
+    weights = [w for w in args.weights.split(",") if w]
+    for w in weights:
+        if w not in OUTTYPES:
+            raise ValueError(f"--weights {w!r}: not one of {', '.join(OUTTYPES)}")
+    paths = llamacpp_paths(Path(args.llamacpp))
+    rows = []
+    for checkpoint in checkpoints(args):
+        prompt = prompt_ids(checkpoint, args.prompt_tokens)
+        for w in weights:
+            rows.append(compare(checkpoint, w, prompt, args.max_tokens, args.threads, args.repeats, paths,
+                                Path(args.work)))
+            print(format_row(rows[-1]), file=sys.stderr, flush=True)
+    print(format_table(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_llamacpp.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    (out / "bench_llamacpp.md").write_text(format_table(rows) + "\n")
+    return 0
+
