@@ -13,11 +13,14 @@ def add_llamacpp(kinds) -> None:
     bench = add_command(kinds, "llamacpp", "kstep's AR engine against llama.cpp on the same weights, prompt and "
                         "length (float32/F32, bfloat16/BF16, int8/Q8_0): tokens/s, ratios, identical ids "
                         "(needs scripts/build_llamacpp.sh)")
+    bench.add_argument("--kind", choices=["ar", "diffusion"], default="ar",
+                       help="ar: the AR engines; diffusion: kstep's LLaDA sampler against llama-diffusion-cli")
     bench.add_argument("--model", action="append", default=None,
-                       help="an AR checkpoint (a directory or bundled name; repeat)")
+                       help="a checkpoint (AR; LLaDA layout for --kind diffusion), a directory or bundled name (repeat)")
     bench.add_argument("--shape", action="append", default=None,
-                       help="a published shape (kstep/shapes.py, e.g. qwen2.5-0.5b): a random qwen2 checkpoint "
-                            "written once under --work (repeat; default qwen2.5-0.5b when no --model)")
+                       help="a published shape (kstep/shapes.py): a random qwen2 (ar) or llada (diffusion) checkpoint "
+                            "written once under --work (repeat; default qwen2.5-0.5b / llada-1b when no --model)")
+    bench.add_argument("--steps", type=int, default=32, help="diffusion: passes of both engines (default 32)")
     bench.add_argument("--weights", default="float32,bfloat16,int8",
                        help="kstep weights, each against its GGUF type: float32 (F32), bfloat16 (BF16), int8 (Q8_0)")
     bench.add_argument("--prompt-tokens", type=int, default=64)
@@ -43,13 +46,14 @@ def checkpoints(args: argparse.Namespace) -> list[Path]:
     from kstep.bundled import resolve_model
     from kstep.random_checkpoint import write_random_checkpoint
     from kstep.shapes import SHAPES
+    family, default = ("qwen2", "qwen2.5-0.5b") if args.kind == "ar" else ("llada", "llada-1b")
     paths = [Path(resolve_model(m)) for m in args.model or []]
-    for shape in args.shape or ([] if args.model else ["qwen2.5-0.5b"]):
-        if shape not in SHAPES:
-            raise ValueError(f"--shape {shape!r}: not one of {', '.join(SHAPES)}")
-        path = Path(args.work) / f"random-qwen2-{shape}"
+    for shape in args.shape or ([] if args.model else [default]):
+        if shape not in SHAPES or family not in SHAPES[shape].families:
+            raise ValueError(f"--shape {shape!r}: not a {family} shape of kstep/shapes.py")
+        path = Path(args.work) / f"random-{family}-{shape}"
         if not (path / "config.json").exists():
-            write_random_checkpoint(path, family="qwen2", seed=0, shape=shape)
+            write_random_checkpoint(path, family=family, seed=0, shape=shape)
         paths.append(path)
     return paths
 
@@ -61,7 +65,10 @@ def run_llamacpp_bench(args: argparse.Namespace) -> int:
     for w in weights:
         if w not in OUTTYPES:
             raise ValueError(f"--weights {w!r}: not one of {', '.join(OUTTYPES)}")
+    check_positive(args, "steps")
     paths = llamacpp_paths(Path(args.llamacpp))
+    if args.kind == "diffusion":
+        return run_diffusion(args, paths)
     rows = []
     for checkpoint in checkpoints(args):
         prompt = prompt_ids(checkpoint, args.prompt_tokens)
@@ -76,3 +83,19 @@ def run_llamacpp_bench(args: argparse.Namespace) -> int:
     (out / "bench_llamacpp.md").write_text(format_table(rows) + "\n")
     return 0
 
+
+
+def run_diffusion(args: argparse.Namespace, paths: dict) -> int:
+    from kstep.bench.llamacpp.diffusion import compare_diffusion, format_table
+    from kstep.bench.prompts import held_out_code_prompts
+    rows = []
+    for checkpoint in checkpoints(args):
+        rows += compare_diffusion(checkpoint, held_out_code_prompts(1)[0], args.prompt_tokens, args.max_tokens,
+                                  args.steps, args.threads, args.repeats, paths, Path(args.work))
+        print(format_table(rows), file=sys.stderr, flush=True)
+    print(format_table(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_llamacpp_diffusion.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    (out / "bench_llamacpp_diffusion.md").write_text(format_table(rows) + "\n")
+    return 0
