@@ -170,9 +170,24 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
         for name in getattr(module, "keeps_float32", ()):
             if getattr(module, name) is not None:
                 setattr(module, name, nn.Parameter(getattr(module, name).float(), requires_grad=False))
-    model = model.to_empty(device=device)
+    allocate(model, torch.device(device))
     model.reset_rotary(device)
     return model.eval().requires_grad_(False)
+
+
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """Module.to_empty without its `empty_like` of meta tensors, whose first call imports
+    torch.fx's symbolic shapes (1 s of start-up): each parameter and buffer gets uninitialised
+    memory of its shape and dtype on `device`."""
+    made: dict[int, nn.Parameter] = {}  # a parameter two modules share stays shared
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                           requires_grad=p.requires_grad)
+            setattr(module, name, made[id(p)])
+        for name, b in list(module.named_buffers(recurse=False)):
+            module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu",

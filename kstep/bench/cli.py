@@ -71,7 +71,7 @@ def run_decode(args: argparse.Namespace) -> int:
 
 
 def _add_compare(kinds) -> None:
-    from kstep.bench.compare import SIDES
+    from kstep.bench.compare_sides import SIDES
     cmp = add_command(kinds, "compare", "diffusion vs AR latency against the cost model's floors")
     cmp.add_argument("--diffusion-model", default="default")
     cmp.add_argument("--ar-model", default="default-ar")

@@ -25,7 +25,7 @@ from kstep.layers.mlp import SwiGLU
 from kstep.models.diffusion_gemma import DiffusionGemmaConfig
 from kstep.models.diffusion_gemma_layers import (ACTIVATIONS, DECODER, ENCODER, FULL, SLIDING, Layer, Norm,
                                                  allocate_layer_kv, key_views, rms)
-from kstep.models.transformer import vocab_parallel_embed
+from kstep.models.transformer import embedding, vocab_parallel_embed
 
 
 def inv_freq(head_dim: int, theta: float, fraction: float, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -41,7 +41,7 @@ class DiffusionGemma(nn.Module):
         super().__init__()
         self.cfg = cfg
         moe = cfg.moe
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed = embedding(cfg.vocab_size, cfg.d_model)
         self.sc_norm = Norm(cfg.d_model, cfg.norm_eps)
         self.sc_mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, bias=False, activation=ACTIVATIONS[cfg.activation])
         self.layers = nn.ModuleList(

@@ -7,7 +7,7 @@ from kstep.flags import add_command
 
 
 def add_train(sub) -> None:
-    from kstep.train.trainer import OBJECTIVES, TrainConfig
+    from kstep.train.config import OBJECTIVES, TrainConfig
     train = add_command(sub, "train", "train a diffusion (llada), block-diffusion or AR (llama) model on a code corpus")
     for f in TrainConfig.__dataclass_fields__.values():
         flag = "--" + f.name.replace("_", "-")

@@ -76,13 +76,16 @@ def run_llamacpp_bench(args: argparse.Namespace) -> int:
             rows.append(compare(checkpoint, w, prompt, args.max_tokens, args.threads, args.repeats, paths,
                                 Path(args.work)))
             print(format_row(rows[-1]), file=sys.stderr, flush=True)
-    print(format_table(rows))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_llamacpp.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
-    (out / "bench_llamacpp.md").write_text(format_table(rows) + "\n")
-    return 0
+    return report(Path(args.out), "bench_llamacpp", rows, format_table(rows))
 
+
+def report(out: Path, name: str, rows: list[dict], table: str) -> int:
+    """Print the table; write it and the rows under `out` as NAME.md and NAME.json."""
+    print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    (out / f"{name}.md").write_text(table + "\n")
+    return 0
 
 
 def run_diffusion(args: argparse.Namespace, paths: dict) -> int:
@@ -93,9 +96,4 @@ def run_diffusion(args: argparse.Namespace, paths: dict) -> int:
         rows += compare_diffusion(checkpoint, held_out_code_prompts(1)[0], args.prompt_tokens, args.max_tokens,
                                   args.steps, args.threads, args.repeats, paths, Path(args.work))
         print(format_table(rows), file=sys.stderr, flush=True)
-    print(format_table(rows))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_llamacpp_diffusion.json").write_text(json.dumps({"rows": rows}, indent=2) + "\n")
-    (out / "bench_llamacpp_diffusion.md").write_text(format_table(rows) + "\n")
-    return 0
+    return report(Path(args.out), "bench_llamacpp_diffusion", rows, format_table(rows))
