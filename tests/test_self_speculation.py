@@ -153,3 +153,8 @@ def test_bench_self_spec_reports_identity_passes_and_cost(llada_path, tmp_path):
     [row] = json.loads((tmp_path / "bench_self_spec.json").read_text())["rows"]
     assert row["identical"] == row["prompts"] == 2 and row["exact_passes"] == 16
     assert row["passes"] <= 16 and row["pass_ratio"] >= 1 and row["positions_vs_exact"] >= 1
+    # against the cached fixed schedule with --cache dual
+    assert main(["bench", "self-spec", "--model", str(llada_path), "--lengths", "16", "--drafts", "3",
+                 "--num-prompts", "2", "--cache", "dual", "--out", str(tmp_path)]) == 0
+    [row] = json.loads((tmp_path / "bench_self_spec.json").read_text())["rows"]
+    assert row["cache"] == "dual" and row["identical"] == row["prompts"] == 2 and row["passes"] <= 16

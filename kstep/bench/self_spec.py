@@ -3,9 +3,9 @@ sampler it reproduces, in one run: per model, length N and drafts per pass K, on
 one request at a time: whether every prompt's tokens equal `exact`'s, the sequential passes of
 each, the positions each computed, the drafts kept, and the wall time (median over prompts of the
 ratio to exact, measured back to back on the same prompt). With `--cache prefix|dual` (a canvas
-model's), "exact" is the same fixed schedule run with that cache, which draft self then reproduces. A pass of K canvases costs about one
-on a bandwidth-bound accelerator and about K on this CPU: the pass ratio is what the former sees,
-the time ratio what the latter does."""
+model's), "exact" is the same fixed schedule run with that cache, which draft self then
+reproduces. A pass of K canvases costs about one on a bandwidth-bound accelerator and about K on
+this CPU: the pass ratio is what the former sees, the time ratio what the latter does."""
 import statistics
 import time
 
@@ -24,27 +24,22 @@ def timed(llm: LLM, prompt: str, n: int, **settings) -> tuple[list[int], dict]:
                            "on_token": out.timings.get("broke_on_token", 0)}
 
 
-def reference(n: int, cache: str) -> dict:
-    """The sampler draft self reproduces: `exact`, or with a canvas model's cache the same fixed
-    schedule (one token per pass) run with that cache."""
-    return {"exact": True} if cache == "none" else {"cache": cache, "steps": n}
-
-
 def measure(model: str, prompts: list[str], lengths: list[int], drafts: list[int], device: str, dtype: str,
             progress=None, cache: str = "none") -> list[dict]:
     llm = kstep.load(model, device=device, dtype=dtype)
     llm.generate(prompts[0], max_tokens=8, exact=True)  # warm-up: first-call costs
     rows = []
     for n in lengths:
-        settings = reference(n, cache)
-        exact = [timed(llm, p, n, **settings) for p in prompts]
+        # with a cache, what draft self reproduces is the same fixed schedule (one token a pass) run with it
+        cached = {} if cache == "none" else {"cache": cache, "steps": n}
+        exact = [timed(llm, p, n, **(cached or {"exact": True})) for p in prompts]
         for k in drafts:
-            runs = [timed(llm, p, n, draft="self", num_draft_tokens=k, **{**settings, "exact": False})
-                    for p in prompts]
+            runs = [timed(llm, p, n, draft="self", num_draft_tokens=k, **cached) for p in prompts]
             same = sum(tokens == e_tokens for (tokens, _), (e_tokens, _) in zip(runs, exact))
             passes, exact_passes = (sum(r[1]["passes"] for r in rs) for rs in (runs, exact))
             drafted = sum(r[1]["drafted"] for r in runs)
-            rows.append({"model": model, "cache": cache, "n": n, "drafts": k, "prompts": len(prompts), "identical": same,
+            rows.append({"model": model, "cache": cache, "n": n, "drafts": k, "prompts": len(prompts),
+                         "identical": same,
                          "exact_passes": exact_passes / len(prompts), "passes": passes / len(prompts),
                          "pass_ratio": exact_passes / passes,
                          "positions_vs_exact": sum(r[1]["positions"] for r in runs) / sum(e[1]["positions"] for e in exact),
@@ -59,8 +54,8 @@ def measure(model: str, prompts: list[str], lengths: list[int], drafts: list[int
 
 
 def format_row(r: dict) -> str:
-    return (f"| {r['model']} | {r.get('cache', 'none')} | {r['n']} | {r['drafts']} | {r['identical']}/{r['prompts']} | {r['exact_passes']:.1f} | "
-            f"{r['passes']:.1f} | **{r['pass_ratio']:.2f}x** | {r['acceptance']:.0%} | {breaks(r)} | "
+    return (f"| {r['model']} | {r.get('cache', 'none')} | {r['n']} | {r['drafts']} | {r['identical']}/{r['prompts']} | "
+            f"{r['exact_passes']:.1f} | {r['passes']:.1f} | **{r['pass_ratio']:.2f}x** | {r['acceptance']:.0%} | {breaks(r)} | "
             f"{r['positions_vs_exact']:.2f}x | {r['time_ratio']:.2f}x |")
 
 

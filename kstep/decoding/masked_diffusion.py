@@ -57,6 +57,7 @@ def fill_after_stop(completions: torch.Tensor, stop_ids: torch.Tensor, mask_id: 
 class DiffusionDecoder(Decoder):
     """Decodes one canvas batch (B rows with the same settings), block by block, one step per pass."""
     logits_shift = 0  # a pass reads the block's predictions at [start, end) - shift (Dream's: 1)
+    is_block_sampler = False  # Dream's cached sampler: a block's first pass commits its first token
 
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams):
         self.params = p = params

@@ -115,7 +115,7 @@ class SelfSpeculativeDecoder(Decoder):
             candidates, confidence = ex.scores(logits, ex.columns, getattr(ex, "drawn_over", None))
             has_masks = self._has_masks(ex.canvas)
             self.row_nfe += has_masks
-            if getattr(ex, "is_block_sampler", False) and ex.step_idx == 0:
+            if ex.is_block_sampler and ex.step_idx == 0:
                 ex.step(ex.canvas, candidates, confidence, 0)  # Dream's block start: its first token
                 ex.step_idx, self.step_idx = 1, self.step_idx + 1
             else:

@@ -5,9 +5,9 @@ of `group_size` input channels, two codes per byte. Activations stay in the comp
 
 Kernels: int8 on the CPU runs torch's `_weight_int8pack_mm` (the kernel gpt-fast and torchao call)
 where the CPU has bf16 instructions (oneDNN's bf16 probe): activations rounded to bf16 (as
-llama.cpp's Q8_0 rounds them to 8 bits), the int8 weight read as is. Measured at a 0.5B model's
-9728 x 896 gate/up: 0.26 ms at one row against 25.5 ms for dequantizing the weight to float32 per
-matmul, 8.7 against 51 ms at 64 rows. Elsewhere (CUDA, a CPU without bf16, int4) every matmul
+llama.cpp's Q8_0 rounds them to 8 bits), the int8 weight read as is. Measured on one 9728 x 896
+weight (a 0.5B model's gate/up) called repeatedly: 0.26 ms at one row against 25.5 ms for
+dequantizing it to float32 per matmul, 8.7 against 51 ms at 64 rows. Elsewhere (CUDA, a CPU without bf16, int4) every matmul
 dequantizes its layer's weight first: the weights rest at 1 (int8) or 0.5 (int4) bytes each, which
 is what quantization buys there, and the time per pass goes up (see `kstep bench quant`).
 """

@@ -60,12 +60,11 @@ def checkpoints(args: argparse.Namespace) -> list[Path]:
 
 def run_llamacpp_bench(args: argparse.Namespace) -> int:
     from kstep.bench.llamacpp.ar import OUTTYPES, compare, format_row, format_table, llamacpp_paths
-    check_positive(args, "prompt_tokens", "max_tokens", "threads", "repeats")
+    check_positive(args, "prompt_tokens", "max_tokens", "threads", "repeats", "steps")
     weights = [w for w in args.weights.split(",") if w]
     for w in weights:
         if w not in OUTTYPES:
             raise ValueError(f"--weights {w!r}: not one of {', '.join(OUTTYPES)}")
-    check_positive(args, "steps")
     paths = llamacpp_paths(Path(args.llamacpp))
     if args.kind == "diffusion":
         return run_diffusion(args, paths)
