@@ -22,9 +22,9 @@ class Shape:
 _QWEN_VOCAB, _LLADA2_VOCAB = 151936, 157184
 
 SHAPES: dict[str, Shape] = {
-    "qwen2.5-0.5b": Shape(("qwen2", "fast_dllm_v2", "llama"), dict(
+    "qwen2.5-0.5b": Shape(("qwen2", "fast_dllm_v2", "llama", "dream"), dict(
         d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, vocab_size=_QWEN_VOCAB, tie=True,
-        max_positions=32768), "Qwen2.5-0.5B (Fast-dLLM v2's parent family)"),
+        max_positions=32768), "Qwen2.5-0.5B (Fast-dLLM v2's parent family; Dream-7B is Qwen2.5-7B's layout)"),
     "qwen2.5-1.5b": Shape(("qwen2", "fast_dllm_v2", "llama"), dict(
         d_model=1536, n_layers=28, n_heads=12, n_kv_heads=2, ffn_dim=8960, vocab_size=_QWEN_VOCAB, tie=True,
         max_positions=32768), "Qwen2.5-1.5B; Fast-dLLM v2 1.5B has this shape"),
@@ -45,6 +45,11 @@ SHAPES: dict[str, Shape] = {
     "lladamoe-7b": Shape(("llada_moe",), dict(
         d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn_dim=8192, vocab_size=_LLADA2_VOCAB,
         num_experts=64, top_k=8, expert_dim=1024, max_positions=8192), "LLaDA-MoE-7B-A1B: 7B total, 1.4B active"),
+    "lladamoe-1b": Shape(("llada_moe",), dict(
+        d_model=1024, n_layers=8, n_heads=16, n_kv_heads=16, ffn_dim=4096, vocab_size=_LLADA2_VOCAB,
+        num_experts=64, top_k=8, expert_dim=512, dense_layers=0, max_positions=8192),
+        "LLaDA-MoE-7B-A1B's layout at d 1024, 8 layers (all sparse, as llama.cpp's converter takes it), experts "
+        "of 512: 1.1B total, 0.4B active"),
     "nemotron-3b": Shape(("nemotron_labs_diffusion",), dict(
         d_model=3072, n_layers=26, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=9216, vocab_size=131072,
         max_positions=262144), "Nemotron-Labs-Diffusion-3B (YaRN x16 over 16384; queries 32 x 128 = 4096 > d 3072)"),

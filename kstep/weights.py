@@ -181,6 +181,16 @@ def allocate(model: nn.Module, device: torch.device) -> None:
     memory of its shape and dtype on `device`."""
     made: dict[int, nn.Parameter] = {}  # a parameter two modules share stays shared
     for module in model.modules():
+        for group in getattr(module, "fuse_groups", ()):  # one tensor, each linear's weight a block of its rows
+            linears = [getattr(module, name) for name in group]
+            weights = [m.weight for m in linears]
+            if all(type(m) is nn.Linear and w.shape[1:] == weights[0].shape[1:] and w.dtype == weights[0].dtype
+                   and id(w) not in made for m, w in zip(linears, weights)):
+                joint = torch.empty((sum(w.shape[0] for w in weights), *weights[0].shape[1:]),
+                                    dtype=weights[0].dtype, device=device)
+                for m, rows in zip(linears, joint.split([w.shape[0] for w in weights])):
+                    made[id(m.weight)] = nn.Parameter(rows, requires_grad=m.weight.requires_grad)
+    for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if id(p) not in made:
                 made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),

@@ -44,6 +44,21 @@ class Segment:
         return slice(self.offset, self.offset + self.batch * self.length)
 
 
+def joined_rows(weights: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(weights), without the copy where they already lie one after another in one tensor
+    (as `weights.allocate` lays out a `fuse_groups` group: the checkpoint is then read straight into
+    the fused layout, and fusing costs nothing at start-up)."""
+    first = weights[0]
+    at = first.storage_offset()
+    for w in weights:
+        if not w.is_contiguous() or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
+                or w.storage_offset() != at or w.shape[1:] != first.shape[1:]:
+            return torch.cat(weights)
+        at += w.numel()
+    rows = sum(w.shape[0] for w in weights)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """One (sum of outputs, in) weight for the linears, and its bias: their parameters become views
     of it (no extra memory), so one matmul computes all of them (fewer, larger matmuls: the per-call
@@ -52,7 +67,7 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     nn.Linear (e.g. quantized)."""
     if not all(type(m) is nn.Linear for m in linears):
         return None
-    weight = inference_layout(torch.cat([m.weight.data for m in linears]))  # (out, in), stored as linear() wants
+    weight = inference_layout(joined_rows([m.weight.data for m in linears]))  # (out, in), stored as linear() wants
     bias = None if linears[0].bias is None else torch.cat([m.bias.data for m in linears])
     offset = 0
     for m in linears:
@@ -84,6 +99,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
         self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.fused_out: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.fuse_groups = (("q_proj", "k_proj", "v_proj"),)  # weights.allocate lays these out as `fuse` joins them
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum the ranks' heads
 
     def fuse(self) -> None:

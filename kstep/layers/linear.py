@@ -1,16 +1,25 @@
 """The matmul every inference projection goes through: `linear(x, weight, bias)` with the weight
-kept as nn.Linear keeps it, (out, in), and the kernel chosen for the device and dtype.
+kept as nn.Linear keeps it, (out, in), and the kernel chosen for the device, dtype and rows.
 
-On a CPU in float32 it is oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`, the kernel
-torch.compile's CPU backend emits for linear layers) for weights of 1.2M elements and more:
-measured 1.1-2.2x faster than MKL's matmul at the few-row shapes of decoding (1-32 rows, a 1.5B
-model's projections, weights from DRAM) and no slower at 128 rows (docs/benchmarks.md, "One pass
-at real sizes"); smaller weights are stored (in, out) for MKL's `x @ W` (`inference_layout`). Elsewhere (CUDA; bf16/fp16,
-which this oneDNN build cannot run on a CPU without AVX-512 BF16) it is `F.linear`, whose bf16 path
-wants this (out, in) layout: an (in, out) contiguous bf16 weight is 20-30x slower on an AVX2 CPU.
+On a CPU, a weight of 500K elements and more:
+- up to 4 rows (a decode step), float32 or bf16: kstep's own GEMV (cpu_kernels), 1.3-1.6x faster
+  than torch's GEMV paths in float32 and the only fast bf16 one on an AVX2 CPU (a CPU with AVX-512
+  BF16 keeps bf16 weights packed for oneDNN's bf16 kernel, `pack`, measured there, not here);
+- more rows in float32 (a prefill, a diffusion block): oneDNN's inner product
+  (`torch.ops.mkldnn._linear_pointwise`, the kernel torch.compile's CPU backend emits for linear
+  layers), measured 1.1-2.2x faster than MKL's matmul at 1-32 rows of a 1.5B model's projections
+  and no slower at 128 (docs/benchmarks.md, "One pass at real sizes");
+- more rows in bf16 on a CPU without AVX-512 BF16: the weight widened to float32 a slice at a time
+  (`linear_widened`), since torch's bf16 matmul there runs at a quarter of float32's speed.
+Where kstep's kernels are not built, float32 weights are packed into oneDNN's blocked layout at
+load (`pack_fused_weights`) and weights under 1.2M elements are stored (in, out) for MKL's `x @ W`
+(`inference_layout`). Small weights and everything else (CUDA; fp16) go to `F.linear`, whose bf16
+path wants this (out, in) layout: an (in, out) contiguous bf16 weight is 20-30x slower on an AVX2 CPU.
 """
 import torch
 import torch.nn.functional as F
+
+from kstep.layers import cpu_kernels
 
 
 def _probe_onednn() -> bool:
@@ -29,10 +38,16 @@ HAS_ONEDNN = _probe_onednn()
 ONEDNN_MIN_WEIGHT = 1_200_000
 
 
+def _gemv_reads(weight: torch.Tensor) -> bool:
+    """Whether kstep's own CPU GEMV (cpu_kernels) runs this weight's decode rows: it reads (out, in)."""
+    return not weight.is_cuda and weight.numel() >= cpu_kernels.MIN_WEIGHT and cpu_kernels.available()
+
+
 def wants_in_out(weight: torch.Tensor) -> bool:
     """Whether `linear` runs this (out, in) weight fastest stored transposed, (in, out): a small
     float32 weight on the CPU (MKL's `x @ W`)."""
-    return weight.dtype == torch.float32 and not weight.is_cuda and weight.numel() < ONEDNN_MIN_WEIGHT
+    return weight.dtype == torch.float32 and not weight.is_cuda and weight.numel() < ONEDNN_MIN_WEIGHT \
+        and not _gemv_reads(weight)
 
 
 def inference_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -57,8 +72,10 @@ PACK_MIN_WEIGHT = 500_000
 
 def wants_packed(weight: torch.Tensor) -> bool:
     """Whether `pack` would store this (out, in) weight in oneDNN's blocked layout: a large float32
-    (or, where the CPU runs oneDNN's bf16, bfloat16) weight on the CPU."""
-    dtype_ok = (weight.dtype == torch.float32 and HAS_ONEDNN) or (weight.dtype == torch.bfloat16 and HAS_ONEDNN_BF16)
+    weight on a CPU where kstep's GEMV is not built (that kernel reads the plain layout, and reads it
+    faster: cpu_kernels), or a bfloat16 one where the CPU runs oneDNN's bf16."""
+    f32_ok = weight.dtype == torch.float32 and HAS_ONEDNN and not _gemv_reads(weight)
+    dtype_ok = f32_ok or (weight.dtype == torch.bfloat16 and HAS_ONEDNN_BF16)
     return dtype_ok and not weight.is_cuda and not weight.is_mkldnn and weight.numel() >= PACK_MIN_WEIGHT
 
 
@@ -83,7 +100,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.stride(0) == 1 and weight.stride(1) != 1:  # stored (in, out): MKL's matmul (no view made to ask)
         out = x @ weight.t()
         return out if bias is None else out + bias
-    if HAS_ONEDNN and x.dtype == torch.float32 and not x.is_cuda and weight.numel() >= ONEDNN_MIN_WEIGHT \
+    if not x.is_cuda and cpu_kernels.takes(x, weight):  # a decode step's few rows
+        return cpu_kernels.gemv(x, weight, bias)
+    if x.dtype == torch.bfloat16 and not x.is_cuda and not HAS_ONEDNN_BF16 and not torch.is_grad_enabled() \
+            and x.numel() > cpu_kernels.MAX_ROWS * x.shape[-1] and weight.numel() >= cpu_kernels.MIN_WEIGHT:
+        return _widened(x, weight, bias)
+    if HAS_ONEDNN and x.dtype == torch.float32 and not x.is_cuda and weight.numel() >= PACK_MIN_WEIGHT \
             and not torch.is_grad_enabled():
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -95,6 +117,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # which copies the whole weight first (600 ms for a 0.5B model's bf16 LM head)
     shape = x.shape
     return F.linear(x.reshape(-1, shape[-1]), weight, bias).view(*shape[:-1], weight.shape[0])
+
+
+# Rows of a weight widened at a time by `linear_widened` (16 MB of float32 at most): the scratch
+# buffer is allocated once and reused, since a fresh one per call costs its page faults (a 9728 x
+# 896 weight: 2.6 ms to widen into a reused buffer, 16 ms with `.float()`).
+WIDEN_ELEMENTS = 4 * 1024 * 1024
+_scratch: dict[str, torch.Tensor] = {}
+
+
+def linear_widened(x: torch.Tensor, fill_rows, out_f: int, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x (..., in) @ W.T (+ bias) for a weight W (out_f, in) that is not float32 in memory (bf16,
+    int8 codes): `fill_rows(start, stop, into)` writes rows start:stop of W as float32 into `into`, a
+    slice of rows at a time, into a reused buffer; float32 sums, the result in `out_dtype` (x's).
+    Inference only: the buffer is overwritten by the next call, so nothing may keep it for a backward."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1]).float()
+    in_f = shape[-1]
+    out = torch.empty(flat.shape[0], out_f, dtype=out_dtype or x.dtype)
+    step = max(1, WIDEN_ELEMENTS // in_f)
+    need = min(out_f, step) * in_f
+    scratch = _scratch.get("widen")
+    if scratch is None or scratch.numel() < need:
+        with torch.inference_mode(False):  # a normal tensor: it is written to in and out of inference mode
+            scratch = _scratch["widen"] = torch.empty(need)
+    for start in range(0, out_f, step):
+        stop = min(out_f, start + step)
+        wide = scratch[: (stop - start) * in_f].view(stop - start, in_f)
+        fill_rows(start, stop, wide)
+        out[:, start:stop] = linear(flat, wide, None if bias is None else bias[start:stop].float())
+    return out.view(*shape[:-1], out_f)
+
+
+def _widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A bf16 `linear` over many rows (a prefill, a diffusion block) on a CPU without bf16 matmul
+    instructions, where torch's bf16 matmul runs at a quarter of float32's speed (a 0.5B model's
+    64-token prefill: 2.6 s against 0.57 in float32; widened, 0.68 s)."""
+    return linear_widened(x, lambda start, stop, into: into.copy_(weight[start:stop]), weight.shape[0], bias,
+                          torch.bfloat16)
 
 
 FUSED_WEIGHTS = ("fused", "fused_out", "fused_down")  # the (weight, bias) pairs fuse_linears made (attention, mlp)

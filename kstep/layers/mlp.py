@@ -19,6 +19,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=bias)
         self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.fused_down: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.fuse_groups = (("gate_proj", "up_proj"),)  # weights.allocate lays these out as `fuse` joins them
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum the ranks' units
 
     def fuse(self) -> None:

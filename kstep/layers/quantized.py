@@ -1,19 +1,31 @@
 """Weight-only quantization of the linear layers, applied at load time (`--quantize int8|int4`).
 
-int8: symmetric, one scale per output channel; int4: asymmetric, a scale and a minimum per group
-of `group_size` input channels, two codes per byte. Activations stay in the compute dtype.
+int8: symmetric, one scale per output channel (a tied LM head gets its own int8 copy of the
+embedding); int4: asymmetric, a scale and a minimum per group of `group_size` input channels, two
+codes per byte. Activations stay in the compute dtype.
 
-Kernels: int8 on the CPU runs torch's `_weight_int8pack_mm` (the kernel gpt-fast and torchao call)
-where the CPU has bf16 instructions (oneDNN's bf16 probe): activations rounded to bf16 (as
-llama.cpp's Q8_0 rounds them to 8 bits), the int8 weight read as is. Measured on one 9728 x 896
-weight (a 0.5B model's gate/up) called repeatedly: 0.26 ms at one row against 25.5 ms for
-dequantizing it to float32 per matmul, 8.7 against 51 ms at 64 rows. Elsewhere (CUDA, a CPU without bf16, int4) every matmul
-dequantizes its layer's weight first: the weights rest at 1 (int8) or 0.5 (int4) bytes each, which
-is what quantization buys there, and the time per pass goes up (see `kstep bench quant`).
+Kernels for int8 on the CPU, by rows:
+- up to 4 rows (a decode step): kstep's GEMV (cpu_kernels), the activations rounded to 16 bits per
+  block of 256 (llama.cpp's Q8_0 rounds them to 8 bits per 32), the int8 weight read as is; on a
+  2-core AVX2 EPYC a 0.5B model's int8 step takes 52 ms against 1,094 ms dequantizing per matmul;
+- more rows, where the CPU has bf16 instructions (oneDNN's bf16 probe): torch's
+  `_weight_int8pack_mm` (the kernel gpt-fast and torchao call), activations rounded to bf16;
+  measured on one 9728 x 896 weight (a 0.5B model's gate/up): 8.7 ms at 64 rows against 51 ms
+  dequantizing it per matmul;
+- more rows elsewhere: the weight dequantized to float32 a slice at a time into a reused buffer
+  (`linear_widened`).
+On CUDA, and for int4 everywhere, every matmul dequantizes its layer's weight first: the weights rest
+at 1 (int8) or 0.5 (int4) bytes each, which is what quantization buys there, and the time per pass
+goes up (see `kstep bench quant`).
 """
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kstep.layers import cpu_kernels
+from kstep.layers.linear import linear_widened
 
 
 def _probe_int8_kernel() -> bool:
@@ -35,10 +47,17 @@ HAS_INT8_KERNEL = _probe_int8_kernel()
 class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        w = linear.weight.detach().float().contiguous()  # fused weights are transposed views
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
-        codes = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.register_buffer("weight_int8", codes)  # (out, in): the int8 kernel's layout
+        w = linear.weight.detach()
+        with torch.inference_mode(False):  # buffers a later grad-enabled forward may read
+            done = cpu_kernels.quantize_int8(w)
+            if done is not None:
+                codes, scales = done
+            else:  # per 64K-row slice: a float32 copy of a whole 150K-row LM head would be a transient 0.5-2 GB
+                scales = torch.cat([(part.float().abs().amax(dim=1) / 127).clamp(min=1e-12)
+                                    for part in w.split(65536)])
+                codes = torch.cat([(part.float() / s[:, None]).round().clamp(-127, 127).to(torch.int8)
+                                   for part, s in zip(w.split(65536), scales.split(65536))])
+        self.register_buffer("weight_int8", codes)  # (out, in): the int8 kernels' layout
         self.register_buffer("scales", scales.to(linear.weight.dtype))  # (out,)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.out_features, self.in_features = w.shape
@@ -48,13 +67,21 @@ class Int8Linear(nn.Module):
         return self.weight_int8.to(dtype) * self.scales.to(dtype)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda and cpu_kernels.takes_int8(x, self.weight_int8):  # a decode step's few rows
+            return cpu_kernels.gemv_int8(x, self.weight_int8, self.scales, self.bias)
         if HAS_INT8_KERNEL and not x.is_cuda:
             flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
             out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales.to(torch.bfloat16))
             out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        elif not x.is_cuda and not torch.is_grad_enabled():  # dequantized a slice at a time into a reused buffer
+            out = linear_widened(x, self._fill_rows, self.out_features)
         else:
             out = F.linear(x, self.dequantized(x.dtype))
         return out if self.bias is None else out + self.bias
+
+    def _fill_rows(self, start: int, stop: int, into: torch.Tensor) -> None:
+        into.copy_(self.weight_int8[start:stop])
+        into.mul_(self.scales[start:stop, None])
 
 
 class Int4Linear(nn.Module):
@@ -90,7 +117,10 @@ QUANTIZATIONS = ("int8", "int4")
 
 def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> dict[str, int]:
     """Replace every nn.Linear (attention, MLP, an untied LM head) in place; returns counts per kind.
-    A layer int4 cannot take (in_features not a multiple of the group) becomes int8."""
+    A layer int4 cannot take (in_features not a multiple of the group) becomes int8. With int8, a
+    head tied to the embedding gets an int8 copy of it as its own head (as llama.cpp's Q8_0 quantizes
+    the embedding): a decode step then reads a quarter of the float32 head's bytes (a 0.5B model:
+    136 MB against 545), for those 136 MB more memory, since the lookups still read the float rows."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantize {mode!r} is not supported (choose from {', '.join(QUANTIZATIONS)})")
     counts = {"int8": 0, "int4": 0}
@@ -108,6 +138,10 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> dict[st
             else:
                 setattr(parent, name, Int8Linear(child))
                 counts["int8"] += 1
+    embed = getattr(model, "embed", None)
+    if mode == "int8" and getattr(model, "lm_head", False) is None and isinstance(embed, nn.Embedding):
+        model.lm_head = Int8Linear(SimpleNamespace(weight=embed.weight, bias=None))  # the transformer's tied head
+        counts["int8"] += 1
     return counts
 
 

@@ -12,7 +12,7 @@ from kstep.layers.labels import labelled
 from kstep.layers.linear import linear
 from kstep.layers.mlp import SwiGLU
 from kstep.layers.moe import RouterSpec, SparseMoE
-from kstep.layers.norm import RMSNorm
+from kstep.layers.norm import RMSNorm, add_rms_norm
 from kstep.layers.rotary import RotaryEmbedding
 from kstep.models.config import ModelConfig
 
@@ -54,8 +54,9 @@ class Block(nn.Module):
         self.mlp = feed_forward(cfg, layer_idx)
 
     def forward(self, x, cos, sin, segments, layer_idx, is_causal, q_scale=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, segments, layer_idx, is_causal, q_scale)
-        return x + self.mlp(self.mlp_norm(x))
+        x, h = add_rms_norm(x, self.attn(self.attn_norm(x), cos, sin, segments, layer_idx, is_causal, q_scale),
+                            self.mlp_norm)
+        return x + self.mlp(h)
 
 
 class Transformer(nn.Module):

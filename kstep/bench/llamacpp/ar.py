@@ -7,7 +7,9 @@ float32 against GGUF F32, bfloat16 against BF16, kstep's `quantize="int8"` again
 weights with a scale per group or row; Q8_0's groups are of 32). kstep runs in this process,
 llama.cpp in a worker process of its own without torch (worker.py), while this one waits. Reported per weight type: prompt processing and decode tokens/s of
 each (medians over the repeats), their ratios (kstep / llama.cpp: above 1, kstep is faster), and
-whether the generated ids are identical (greedy argmax, end tokens ignored)."""
+whether the generated ids are identical (greedy argmax, end tokens ignored); and the start-up of each,
+the wall time of `kstep generate` and of llama.cpp's `llama-simple` making one token, whole
+processes, interleaved."""
 import json
 import os
 import statistics
@@ -66,6 +68,28 @@ def kstep_runner(checkpoint: Path, weights: str):
     return run
 
 
+def startup_seconds(command: list[str], env: dict | None = None) -> float:
+    """Wall time of one whole command: process start, import, load, one token, exit."""
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed:\n{done.stderr[-2000:]}")
+    return time.perf_counter() - start
+
+
+def startup_commands(paths: dict[str, Path], checkpoint: Path, gguf: Path, weights: str,
+                     prompt: list[int]) -> tuple[list[str], list[str]]:
+    """`kstep generate` and `llama-simple` making one token from the prompt, each from a cold process
+    (the files in the page cache: each command has run before)."""
+    kstep = [sys.executable, "-m", "kstep", "generate", "--model", str(checkpoint), "--max-tokens", "1",
+             "--prompt-ids", ",".join(map(str, prompt[:8]))]  # both on their default threads (the cores)
+    if weights == "bfloat16":
+        kstep += ["--dtype", "bfloat16"]
+    if weights == "int8":
+        kstep += ["--quantize", "int8"]
+    return kstep, [str(paths["bin"] / "llama-simple"), "-m", str(gguf), "-n", "1", "def f(x):"]
+
+
 def compare(checkpoint: Path, weights: str, prompt: list[int], max_tokens: int, threads: int, repeats: int,
             paths: dict[str, Path], work: Path) -> dict:
     """One row: both engines on `weights`, `repeats` interleaved rounds after a warm-up each."""
@@ -82,6 +106,14 @@ def compare(checkpoint: Path, weights: str, prompt: list[int], max_tokens: int, 
         theirs["prompt_seconds"] += run["prompt_seconds"]
         theirs["decode_seconds"] += run["decode_seconds"]
         theirs["ids"] = run["ids"]
+    del kstep
+    ours_cmd, theirs_cmd = startup_commands(paths, checkpoint, gguf, weights, prompt)
+    startup_seconds(ours_cmd), startup_seconds(theirs_cmd)  # the files into the page cache
+    starts = {"kstep": [], "llamacpp": []}
+    for _ in range(repeats):
+        starts["kstep"].append(startup_seconds(ours_cmd))
+        starts["llamacpp"].append(startup_seconds(theirs_cmd))
+    k_start, l_start = statistics.median(starts["kstep"]), statistics.median(starts["llamacpp"])
     P, steps = len(prompt), max_tokens - 1
     k_pp = P / statistics.median(r[1] for r in ours)
     k_tg = steps / statistics.median(r[2] for r in ours)
@@ -92,6 +124,7 @@ def compare(checkpoint: Path, weights: str, prompt: list[int], max_tokens: int, 
             "prompt_tokens": P, "max_tokens": max_tokens, "repeats": repeats,
             "kstep_prompt_tps": k_pp, "llamacpp_prompt_tps": l_pp, "prompt_ratio": k_pp / l_pp,
             "kstep_decode_tps": k_tg, "llamacpp_decode_tps": l_tg, "decode_ratio": k_tg / l_tg,
+            "kstep_startup_s": k_start, "llamacpp_startup_s": l_start, "startup_ratio": k_start / l_start,
             "identical": same is None, "first_difference": same,
             "kstep_ids": ours[-1][0], "llamacpp_ids": theirs["ids"]}
 
@@ -101,11 +134,11 @@ def format_row(r: dict) -> str:
     return (f"| {Path(r['checkpoint']).name} | {r['weights']} / {r['gguf_type'].upper()} | {r['prompt_tokens']} | "
             f"{r['max_tokens']} | {r['kstep_prompt_tps']:.1f} | {r['llamacpp_prompt_tps']:.1f} | "
             f"**{r['prompt_ratio']:.2f}x** | {r['kstep_decode_tps']:.2f} | {r['llamacpp_decode_tps']:.2f} | "
-            f"**{r['decode_ratio']:.2f}x** | {same} |")
+            f"**{r['decode_ratio']:.2f}x** | {r['kstep_startup_s']:.2f} / {r['llamacpp_startup_s']:.2f} | {same} |")
 
 
 def format_table(rows: list[dict]) -> str:
     head = ("| checkpoint | kstep / llama.cpp weights | prompt | N | kstep prompt tok/s | llama.cpp prompt tok/s | "
-            "ratio | kstep decode tok/s | llama.cpp decode tok/s | ratio | same ids |\n"
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+            "ratio | kstep decode tok/s | llama.cpp decode tok/s | ratio | start-up s, kstep / llama.cpp | same ids |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     return "\n".join([head] + [format_row(r) for r in rows])

@@ -14,12 +14,16 @@ def add_llamacpp(kinds) -> None:
                         "length (float32/F32, bfloat16/BF16, int8/Q8_0): tokens/s, ratios, identical ids "
                         "(needs scripts/build_llamacpp.sh)")
     bench.add_argument("--kind", choices=["ar", "diffusion"], default="ar",
-                       help="ar: the AR engines; diffusion: kstep's LLaDA sampler against llama-diffusion-cli")
+                       help="ar: the AR engines; diffusion: kstep's masked-diffusion sampler against "
+                            "llama-diffusion-cli (LLaDA, Dream, LLaDA-MoE)")
     bench.add_argument("--model", action="append", default=None,
-                       help="a checkpoint (AR; LLaDA layout for --kind diffusion), a directory or bundled name (repeat)")
+                       help="a checkpoint (AR; LLaDA, Dream or LLaDA-MoE for --kind diffusion), a directory or bundled "
+                            "name (repeat)")
     bench.add_argument("--shape", action="append", default=None,
-                       help="a published shape (kstep/shapes.py): a random qwen2 (ar) or llada (diffusion) checkpoint "
-                            "written once under --work (repeat; default qwen2.5-0.5b / llada-1b when no --model)")
+                       help="a published shape (kstep/shapes.py): a random qwen2 (ar) checkpoint, or for diffusion one "
+                            "of the shape's first family of llada, dream, llada_moe (qwen2.5-0.5b: dream; lladamoe-1b: "
+                            "llada_moe), written once under --work (repeat; default qwen2.5-0.5b / llada-1b when no "
+                            "--model)")
     bench.add_argument("--steps", type=int, default=32, help="diffusion: passes of both engines (default 32)")
     bench.add_argument("--weights", default="float32,bfloat16,int8",
                        help="kstep weights, each against its GGUF type: float32 (F32), bfloat16 (BF16), int8 (Q8_0)")
@@ -31,6 +35,10 @@ def add_llamacpp(kinds) -> None:
     bench.add_argument("--work", default=f"{DEFAULT_ROOT}/models", help="converted GGUFs and random checkpoints")
     bench.add_argument("--out", default="out/bench")
     bench.set_defaults(run=run_llamacpp_bench)
+
+
+# What llama.cpp's converter and llama-diffusion-cli both take (LLaDA, Dream, LLaDA-MoE)
+DIFFUSION_FAMILIES = ("llada", "dream", "llada_moe")
 
 
 def prompt_ids(checkpoint: Path, count: int) -> list[int]:
@@ -46,11 +54,13 @@ def checkpoints(args: argparse.Namespace) -> list[Path]:
     from kstep.bundled import resolve_model
     from kstep.random_checkpoint import write_random_checkpoint
     from kstep.shapes import SHAPES
-    family, default = ("qwen2", "qwen2.5-0.5b") if args.kind == "ar" else ("llada", "llada-1b")
+    # AR: Qwen2's layout; diffusion: each shape's first family llama.cpp's diffusion CLI runs
+    families, default = (("qwen2",), "qwen2.5-0.5b") if args.kind == "ar" else (DIFFUSION_FAMILIES, "llada-1b")
     paths = [Path(resolve_model(m)) for m in args.model or []]
     for shape in args.shape or ([] if args.model else [default]):
-        if shape not in SHAPES or family not in SHAPES[shape].families:
-            raise ValueError(f"--shape {shape!r}: not a {family} shape of kstep/shapes.py")
+        family = next((f for f in SHAPES[shape].families if f in families), None) if shape in SHAPES else None
+        if family is None:
+            raise ValueError(f"--shape {shape!r}: not a {' or '.join(families)} shape of kstep/shapes.py")
         path = Path(args.work) / f"random-{family}-{shape}"
         if not (path / "config.json").exists():
             write_random_checkpoint(path, family=family, seed=0, shape=shape)

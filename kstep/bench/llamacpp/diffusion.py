@@ -1,5 +1,5 @@
 """`kstep bench llamacpp --kind diffusion`: kstep's masked-diffusion sampler against llama.cpp's
-`llama-diffusion-cli` on the same LLaDA-layout weights (converted by llama.cpp's converter), the
+`llama-diffusion-cli` on the same LLaDA, Dream or LLaDA-MoE weights (converted by llama.cpp's converter), the
 same prompt text, the same generated length N and the same number of passes S, on the same cores,
 one engine at a time, their runs interleaved.
 

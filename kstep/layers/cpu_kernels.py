@@ -1,0 +1,203 @@
+"""kstep's own CPU kernels (cpu_kernels.c) for a decode step's few rows, where a pass is bound by
+reading the weights: matrix-vector products over float32, bfloat16 and int8 weights, the RMSNorm
+(with the residual add before it), and the int8 quantization done at load time.
+
+Why not torch's: on this project's 2-core AVX2 EPYC, torch's GEMV paths (MKL's `mv`, `F.linear`,
+oneDNN, oneDNN on packed weights) read float32 weights at 11-14 GB/s, against 20-24 GB/s for a
+`sum` over the same bytes; these read them at 18-22 GB/s, about 90% of that `sum` in the same run.
+torch has no fast bf16 GEMV on an AVX2 CPU (oneDNN's needs AVX-512 BF16) and no fast int8 one
+(`_weight_int8pack_mm` wants bf16 instructions; without them an int8 layer dequantized its weight
+per call). A norm costs torch two or three dispatches, each ~100 us right after a GEMV has streamed
+the weights through the caches (a 0.5B model's 49 norms: 6 ms of a 115 ms step; 1 ms in C).
+llama.cpp's kernels are built the same way (AVX2 dot products, rows split over the threads); `kstep
+bench llamacpp` measures the two engines against each other.
+
+The C file is compiled once per source version with the system's C compiler into a cache directory
+(`KSTEP_KERNEL_CACHE`, default ~/.cache/kstep/kernels) and loaded with ctypes, which drops the GIL
+around each call. It links the OpenMP runtime torch runs on (libgomp.so.1, already loaded by torch),
+so the two share one thread pool. Where there is no compiler, no AVX2/FMA, or KSTEP_CPU_KERNELS=0,
+`available()` is False and kstep runs torch's kernels as before.
+"""
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# Up to this many rows a call reads each weight row once and runs every x row against it while it is
+# in cache (a 0.5B model's projections at 4 rows: 1.3x the time of 1 row). More rows (a prefill, a
+# diffusion block) go to oneDNN/MKL's blocked matrix-matrix kernels.
+MAX_ROWS = 4
+# Weights below this many elements stay on torch's kernels: a small model's weights sit in cache,
+# where MKL's `x @ W` is already fast, and its tests' reference tokens were pinned with it.
+MIN_WEIGHT = 500_000
+
+_lib = None
+_tried = False
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("KSTEP_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kstep", "kernels")
+    return Path(base)
+
+
+def _build() -> Path | None:
+    source = SOURCE.read_bytes()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+    tag = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"kstep_cpu_kernels_{tag}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # built beside the target and renamed: processes starting together never load a half-written file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)
+    except (subprocess.SubprocessError, OSError):
+        Path(tmp).unlink(missing_ok=True)
+        return None
+    return target
+
+
+def _load():
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("KSTEP_CPU_KERNELS", "1") == "0" or not _cpu_has_avx2_fma():
+        return None
+    path = _build()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.kstep_gemv_f32.argtypes = [P, L, P, P, P, L, L, I]
+    lib.kstep_gemv_bf16.argtypes = [P, L, P, P, P, L, L, I]
+    lib.kstep_gemv_i8.argtypes = [P, L, P, P, P, P, L, L, I]
+    lib.kstep_rms_norm_f32.argtypes = [P, P, P, P, P, L, L, ctypes.c_float]
+    lib.kstep_rms_norm_bf16.argtypes = [P, P, P, P, P, L, L, ctypes.c_float]
+    lib.kstep_quantize_i8.argtypes = [P, L, L, P, P, I]
+    for fn in (lib.kstep_gemv_f32, lib.kstep_gemv_bf16, lib.kstep_gemv_i8, lib.kstep_rms_norm_f32,
+               lib.kstep_rms_norm_bf16, lib.kstep_quantize_i8):
+        fn.restype = None
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded here (builds them on first use)."""
+    return _load() is not None
+
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gemv` runs x (..., in) @ weight (out, in).T: a float32 or bf16 weight of MIN_WEIGHT
+    elements or more, contiguous (out, in), on the CPU, in inference, at most MAX_ROWS rows of x."""
+    return (weight.dtype in _DTYPES and x.dtype == weight.dtype and weight.device.type == "cpu"
+            and not weight.is_mkldnn and weight.numel() >= MIN_WEIGHT and weight.is_contiguous()
+            and x.numel() <= MAX_ROWS * weight.shape[1] and not torch.is_grad_enabled() and available())
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) @ weight (out, in).T (+ bias), float32 or bf16 (as `takes` says); float32 sums."""
+    out_f, in_f = weight.shape
+    flat = x.reshape(-1, in_f).contiguous()
+    y = torch.empty(flat.shape[0], out_f, dtype=x.dtype)
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    lib = _load()
+    fn = lib.kstep_gemv_f32 if x.dtype == torch.float32 else lib.kstep_gemv_bf16
+    fn(flat.data_ptr(), flat.shape[0], weight.data_ptr(), _ptr(bias), y.data_ptr(), out_f, in_f,
+       torch.get_num_threads())
+    return y.view(*x.shape[:-1], out_f)
+
+
+def takes_int8(x: torch.Tensor, codes: torch.Tensor) -> bool:
+    """Whether `gemv_int8` runs x against these (out, in) int8 codes."""
+    return (codes.device.type == "cpu" and x.dtype in _DTYPES and x.numel() <= MAX_ROWS * codes.shape[1]
+            and codes.is_contiguous() and available())
+
+
+def gemv_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) @ (codes (out, in) * scales (out,)[:, None]).T (+ bias), in x's dtype: x rounded to
+    int16 per block of 256 (relative error < 2e-5 of the block's largest value), float32 sums."""
+    out_f, in_f = codes.shape
+    flat = x.reshape(-1, in_f).float().contiguous()
+    y = torch.empty(flat.shape[0], out_f)
+    scales = scales.float().contiguous()
+    if bias is not None:
+        bias = bias.float().contiguous()
+    _load().kstep_gemv_i8(flat.data_ptr(), flat.shape[0], codes.data_ptr(), scales.data_ptr(), _ptr(bias),
+                       y.data_ptr(), out_f, in_f, torch.get_num_threads())
+    return y.to(x.dtype).view(*x.shape[:-1], out_f)
+
+
+# Norms of rows at least this wide run in C (`rms_norm`): the widths of models whose weights take the
+# GEMV; a small model's norms stay on torch's kernel, with which its tests' reference tokens were pinned.
+NORM_MIN_DIM = 512
+
+
+def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm` normalizes x (..., dim): float32 or bf16 (its weight too), at most MAX_ROWS
+    rows of NORM_MIN_DIM or more, on the CPU, in inference."""
+    return (x.dtype in _DTYPES and weight.dtype == x.dtype and x.device.type == "cpu"
+            and x.shape[-1] >= NORM_MIN_DIM and x.numel() <= MAX_ROWS * x.shape[-1] and not torch.is_grad_enabled()
+            and available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta) * weight), or (x, rms_norm(x) * weight) without delta; float32
+    or bf16 (as `takes_norm` says), the same sums and roundings as kstep's torch path (RMSNorm) up to
+    the order of the sums."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if delta is not None:
+        delta = delta.reshape(x.shape).contiguous()
+        total = torch.empty_like(x)
+    else:
+        total = x
+    lib = _load()
+    fn = lib.kstep_rms_norm_f32 if x.dtype == torch.float32 else lib.kstep_rms_norm_bf16
+    fn(x.data_ptr(), _ptr(delta), total.data_ptr() if delta is not None else None, weight.contiguous().data_ptr(),
+       y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps)
+    return total, y
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes (out, in) int8, scales (out,) float32) of a float32 CPU weight, one scale per row, as
+    Int8Linear's torch expression computes them (bit for bit); None where the kernels are not built."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not available():
+        return None
+    w = weight.contiguous()
+    codes = torch.empty(w.shape, dtype=torch.int8)
+    scales = torch.empty(w.shape[0])
+    _load().kstep_quantize_i8(w.data_ptr(), w.shape[0], w.shape[1], codes.data_ptr(), scales.data_ptr(),
+                              torch.get_num_threads())
+    return codes, scales
