@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# The kernels, and the decode step's block built on them (cpu_decode.py); one library.
+SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("cpu_decode.c"))
 # Up to this many rows a call reads each weight row once and runs every x row against it while it is
 # in cache (a 0.5B model's projections at 4 rows: 1.3x the time of 1 row). More rows (a prefill, a
 # diffusion block) go to oneDNN/MKL's blocked matrix-matrix kernels.
@@ -56,11 +57,13 @@ def _cache_dir() -> Path:
 
 
 def _build() -> Path | None:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+    # no contraction of a * b + c into one FMA where the C is written as two operations: the scalar
+    # code then rounds as torch's separate ops do (the intrinsics' FMAs stay FMAs)
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
     tag = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     target = _cache_dir() / f"kstep_cpu_kernels_{tag}.so"
     if target.exists():
@@ -70,7 +73,7 @@ def _build() -> Path | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     except (subprocess.SubprocessError, OSError):
         Path(tmp).unlink(missing_ok=True)
@@ -96,11 +99,17 @@ def _load():
     lib.kstep_rms_norm_f32.argtypes = [P, P, P, P, P, L, L, ctypes.c_float]
     lib.kstep_rms_norm_bf16.argtypes = [P, P, P, P, P, L, L, ctypes.c_float]
     lib.kstep_quantize_i8.argtypes = [P, L, L, P, P, I]
+    lib.kstep_decode_layer.argtypes = [P, P, P, P, P, P, P, L, L, L, I]
     for fn in (lib.kstep_gemv_f32, lib.kstep_gemv_bf16, lib.kstep_gemv_i8, lib.kstep_rms_norm_f32,
-               lib.kstep_rms_norm_bf16, lib.kstep_quantize_i8):
+               lib.kstep_rms_norm_bf16, lib.kstep_quantize_i8, lib.kstep_decode_layer):
         fn.restype = None
     _lib = lib
     return lib
+
+
+def library():
+    """The loaded kernels' library (ctypes), or None where they are not built (see `available`)."""
+    return _load()
 
 
 def available() -> bool:

@@ -69,7 +69,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda and cpu_kernels.takes_int8(x, self.weight_int8):  # a decode step's few rows
             return cpu_kernels.gemv_int8(x, self.weight_int8, self.scales, self.bias)
-        if HAS_INT8_KERNEL and not x.is_cuda:
+        # torch 2.13's AVX-512 kernel reads past the rows where in_features is not a multiple of 16
+        # (a segfault at 2+ rows, measured on a Xeon with AVX-512 BF16): those take the widened path
+        if HAS_INT8_KERNEL and not x.is_cuda and self.in_features % 16 == 0:
             flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
             out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales.to(torch.bfloat16))
             out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -128,6 +130,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> dict[st
         for name in ("fused", "fused_out", "fused_down"):
             if hasattr(module, name):
                 setattr(module, name, None)
+        module.__dict__.pop("_cpu_decode", None)  # cpu_decode's description points into them too
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):

@@ -7,6 +7,7 @@ serves both causal AR models and bidirectional diffusion models.
 import torch
 from torch import nn
 
+from kstep.layers import cpu_decode
 from kstep.layers.attention import Attention, KVCache, Segment
 from kstep.layers.labels import labelled
 from kstep.layers.linear import linear
@@ -54,6 +55,10 @@ class Block(nn.Module):
         self.mlp = feed_forward(cfg, layer_idx)
 
     def forward(self, x, cos, sin, segments, layer_idx, is_causal, q_scale=None):
+        if not x.is_cuda:  # one token on a CPU: the whole block in one C call, where it can
+            layer = cpu_decode.plan(self, x, segments, layer_idx, q_scale)
+            if layer is not None:
+                return cpu_decode.forward(layer, x, cos, sin, segments[0], layer_idx)
         x, h = add_rms_norm(x, self.attn(self.attn_norm(x), cos, sin, segments, layer_idx, is_causal, q_scale),
                             self.mlp_norm)
         return x + self.mlp(h)

@@ -1,0 +1,128 @@
+"""The decode step's block in one C call (kstep/layers/cpu_decode.py): on one token against a KV
+cache it gives the torch block's hidden states and writes the same keys and values, for float32 and
+int8 weights, fused or not, with q/k/v bias, grouped-query attention, Qwen3's q/k norm and partial
+rotary; a model on it gives the torch path's greedy tokens; and every pass it does not compute
+(several rows, a mask, gradients, small weights, another dtype) goes to the torch path."""
+import dataclasses
+
+import pytest
+import torch
+
+import kstep
+from kstep.layers import cpu_decode, cpu_kernels
+from kstep.layers.attention import Segment
+from kstep.layers.quantized import quantize_model
+from kstep.models.transformer import Transformer
+from kstep.random_checkpoint import random_config, write_random_checkpoint
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason="kstep's CPU kernels are not built here (no AVX2/FMA or no C compiler)")
+
+SLOTS = 24  # cache slots: more than the tokens written, so the C call must stop at the token's own slot
+
+
+def random_model(seed=0, n_kv_heads=2, qkv_bias=True, qk_norm=False, rotary_dim=None, fused=True,
+                 int8=False, d_model=768, n_heads=12):
+    """A 2-layer model with projections large enough for kstep's GEMVs (cpu_kernels.MIN_WEIGHT)."""
+    cfg = random_config("qwen2", 600, d_model=d_model, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                        ffn_dim=1024, head_dim=64)
+    cfg = dataclasses.replace(cfg, qkv_bias=qkv_bias, qk_norm=qk_norm, rotary_dim=rotary_dim)
+    torch.manual_seed(seed)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05) if p.dim() == 2 else p.uniform_(0.8, 1.2)
+    if fused:
+        model.fuse_projections()
+    if int8:
+        quantize_model(model, "int8")
+    return model
+
+
+def empty_cache(model):
+    cfg = model.cfg
+    return [(torch.zeros(1, cfg.n_kv_heads, SLOTS, cfg.head_dim), torch.zeros(1, cfg.n_kv_heads, SLOTS, cfg.head_dim))
+            for _ in range(cfg.n_layers)]
+
+
+def decode(model, prompt, steps, monkeypatch, in_c):
+    """Hidden states of `steps` one-token passes after a prompt pass (several rows: torch's path
+    either way), each token the previous pass's greedy pick; and the cache they leave."""
+    with monkeypatch.context() as m:
+        if not in_c:
+            m.setattr(cpu_decode, "plan", lambda *args: None)
+        caches, states = empty_cache(model), []
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            hidden = model.hidden_states(ids, torch.arange(len(prompt))[None], None, caches, 0)
+            for t in range(len(prompt), len(prompt) + steps):
+                token = model.logits(hidden[:, -1:]).argmax(-1)
+                hidden = model.hidden_states(token, torch.tensor([[t]]), None, caches, t)
+                states.append(hidden[0, 0])
+    return torch.stack(states), caches
+
+
+VARIANTS = {
+    "gqa+bias": {},
+    "q/k norm": {"qk_norm": True, "qkv_bias": False},
+    "partial rotary": {"rotary_dim": 32},
+    "unfused, one head per kv head": {"fused": False, "n_kv_heads": 12},
+    "int8": {"int8": True},
+    "int8 q/k norm": {"int8": True, "qk_norm": True},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_c_block_gives_the_torch_blocks_states_and_cache(variant, monkeypatch):
+    model = random_model(**VARIANTS[variant])
+    calls = []
+    real_forward = cpu_decode.forward
+    monkeypatch.setattr(cpu_decode, "forward", lambda *a: calls.append(1) or real_forward(*a))
+    got, got_cache = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=True)
+    assert len(calls) == 6 * model.cfg.n_layers  # every decode pass of every layer ran in C
+    want, want_cache = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=False)
+    # int8: the GEMV rounds its input to int16 per block, so the attention's last-bit differences
+    # (the order of its sums) can move a code by one: ~1e-4 here, against int8's own error of ~0.07
+    tol = 1e-3 if VARIANTS[variant].get("int8") else 1e-4
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    for (gk, gv), (wk, wv) in zip(got_cache, want_cache):
+        torch.testing.assert_close(gk, wk, rtol=tol, atol=tol)
+        torch.testing.assert_close(gv, wv, rtol=tol, atol=tol)
+        assert not gk[:, :, 11:].any()  # nothing written past the last token's slot
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_a_model_on_the_c_block_gives_the_torch_paths_greedy_tokens(quantize, tmp_path, monkeypatch):
+    path = write_random_checkpoint(tmp_path / "qwen2", family="qwen2", seed=2, d_model=768, n_layers=2, n_heads=12,
+                                   n_kv_heads=2, ffn_dim=1024)
+    llm = kstep.load(path, quantize=quantize)
+    got = llm.generate([[5, 6, 7]], max_tokens=16, ignore_eos=True)[0].token_ids
+    monkeypatch.setattr(cpu_decode, "plan", lambda *args: None)
+    assert got == llm.generate([[5, 6, 7]], max_tokens=16, ignore_eos=True)[0].token_ids
+
+
+def test_passes_it_does_not_compute_go_to_torch():
+    model, small = random_model(), random_model(d_model=128, n_heads=2)  # small: weights under MIN_WEIGHT
+    moe = Transformer(random_config("llada2_moe", 600, d_model=768, n_layers=1, n_heads=12, head_dim=64,
+                                    num_experts=8, expert_dim=64, dense_layers=0)).eval()
+    moe.fuse_projections()
+    block, caches = model.layers[0], empty_cache(model)
+    one = torch.randn(1, 768)
+
+    def plan(x=one, block=block, caches=caches, **seg):
+        return cpu_decode.plan(block, x, [Segment(**{"offset": 0, "batch": 1, "length": 1, "cache": caches,
+                                                      "cache_start": 3, **seg})], 0, None)
+
+    with torch.inference_mode():
+        assert plan() is not None
+        assert plan(x=torch.randn(2, 768), length=2) is None  # two tokens
+        assert plan(x=torch.randn(2, 768), batch=2) is None  # two sequences
+        assert plan(mask=torch.ones(1, 1, 1, 4, dtype=torch.bool)) is None
+        assert plan(cache=None) is None
+        assert plan(cache_len=10) is None  # a DualCache suffix
+        assert plan(x=one.bfloat16()) is None
+        assert plan(block=small.layers[0], x=torch.randn(1, 128), caches=empty_cache(small)) is None
+        assert plan(block=moe.layers[0], caches=empty_cache(moe)) is None  # a sparse MoE feed-forward
+        assert cpu_decode.plan(block, one, [Segment(0, 1, 1, cache=caches)], 0, torch.ones(1)) is None  # q_scale
+    with torch.no_grad(), torch.enable_grad():
+        assert plan() is None  # training: autograd needs torch's ops
