@@ -14,6 +14,7 @@ kstep's GEMVs (float32 weights of cpu_kernels.MIN_WEIGHT elements or more, or in
 else runs the torch path, unchanged.
 """
 import ctypes
+import os
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,9 @@ from kstep.layers.norm import RMSNorm
 from kstep.layers.quantized import Int8Linear
 
 MAX_PARTS = 7  # cpu_decode.c: q/k/v (up to 3), o, gate/up (up to 2), down
+# KSTEP_CPU_DECODE=0 runs the torch block over the same kernels (to measure what this file gains);
+# KSTEP_CPU_KERNELS=0 turns off both.
+ENABLED = os.environ.get("KSTEP_CPU_DECODE", "1") != "0"
 
 
 class _Proj(ctypes.Structure):
@@ -121,7 +125,7 @@ def plan(block: nn.Module, x: torch.Tensor, segments: list[Segment], layer_idx: 
          q_scale: torch.Tensor | None) -> _Layer | None:
     """The C description of the block where `forward` runs this pass of it (see the module's
     docstring), else None: the torch path runs it."""
-    if x.shape[0] != 1 or x.dtype != torch.float32 or x.device.type != "cpu" or q_scale is not None \
+    if not ENABLED or x.shape[0] != 1 or x.dtype != torch.float32 or x.device.type != "cpu" or q_scale is not None \
             or len(segments) != 1 or torch.is_grad_enabled():
         return None
     seg = segments[0]

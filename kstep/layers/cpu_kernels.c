@@ -4,7 +4,8 @@
 // weight rows and runs every x row against a row (float32: a group of four rows) while it is in
 // cache, so the weights stream from memory once per call. Float32 reads a group's four rows side by
 // side (four streams, as llama.cpp's tinyBLAS does): 4% faster over a 0.5B model's weights at one x
-// row, 12% at four (interleaved medians of 10 rounds). bf16 and int8, which are bound by their
+// row, 12% at four (interleaved medians of 10 rounds); 8 or 12 rows were level with 4 on an AVX-512
+// Xeon and 16 7% slower, so GROUP stays 4. bf16 and int8, which are bound by their
 // conversions more than by memory here, lost 25-34% that way: they read one row at a time, which
 // keeps one long sequential stream per thread (their rows are short: 1.8 and 0.9 KB at width 896).
 #include <immintrin.h>

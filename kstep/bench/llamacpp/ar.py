@@ -119,11 +119,15 @@ def compare(checkpoint: Path, weights: str, prompt: list[int], max_tokens: int, 
     k_tg = steps / statistics.median(r[2] for r in ours)
     l_pp = P / statistics.median(theirs["prompt_seconds"])
     l_tg = steps / statistics.median(theirs["decode_seconds"])
+    # each round's decode speed too: on a shared machine the bandwidth moves between minutes, so a
+    # row is read as the range of its interleaved rounds' ratios, not as one median
+    k_rounds, l_rounds = [steps / r[2] for r in ours], [steps / s for s in theirs["decode_seconds"]]
     same = next((i for i, (a, b) in enumerate(zip(ours[-1][0], theirs["ids"])) if a != b), None)
     return {"checkpoint": str(checkpoint), "weights": weights, "gguf_type": OUTTYPES[weights], "threads": threads,
             "prompt_tokens": P, "max_tokens": max_tokens, "repeats": repeats,
             "kstep_prompt_tps": k_pp, "llamacpp_prompt_tps": l_pp, "prompt_ratio": k_pp / l_pp,
             "kstep_decode_tps": k_tg, "llamacpp_decode_tps": l_tg, "decode_ratio": k_tg / l_tg,
+            "kstep_decode_tps_rounds": k_rounds, "llamacpp_decode_tps_rounds": l_rounds,
             "kstep_startup_s": k_start, "llamacpp_startup_s": l_start, "startup_ratio": k_start / l_start,
             "identical": same is None, "first_difference": same,
             "kstep_ids": ours[-1][0], "llamacpp_ids": theirs["ids"]}
@@ -131,14 +135,16 @@ def compare(checkpoint: Path, weights: str, prompt: list[int], max_tokens: int, 
 
 def format_row(r: dict) -> str:
     same = "yes" if r["identical"] else f"from token {r['first_difference']}"
+    rounds = [k / l for k, l in zip(r.get("kstep_decode_tps_rounds", []), r.get("llamacpp_decode_tps_rounds", []))]
+    spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if rounds else ""
     return (f"| {Path(r['checkpoint']).name} | {r['weights']} / {r['gguf_type'].upper()} | {r['prompt_tokens']} | "
             f"{r['max_tokens']} | {r['kstep_prompt_tps']:.1f} | {r['llamacpp_prompt_tps']:.1f} | "
             f"**{r['prompt_ratio']:.2f}x** | {r['kstep_decode_tps']:.2f} | {r['llamacpp_decode_tps']:.2f} | "
-            f"**{r['decode_ratio']:.2f}x** | {r['kstep_startup_s']:.2f} / {r['llamacpp_startup_s']:.2f} | {same} |")
+            f"**{r['decode_ratio']:.2f}x**{spread} | {r['kstep_startup_s']:.2f} / {r['llamacpp_startup_s']:.2f} | {same} |")
 
 
 def format_table(rows: list[dict]) -> str:
     head = ("| checkpoint | kstep / llama.cpp weights | prompt | N | kstep prompt tok/s | llama.cpp prompt tok/s | "
-            "ratio | kstep decode tok/s | llama.cpp decode tok/s | ratio | start-up s, kstep / llama.cpp | same ids |\n"
+            "ratio | kstep decode tok/s | llama.cpp decode tok/s | ratio (rounds) | start-up s, kstep / llama.cpp | same ids |\n"
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     return "\n".join([head] + [format_row(r) for r in rows])
