@@ -1,8 +1,9 @@
 """The decode step's block in one C call (kstep/layers/cpu_decode.py): on one token against a KV
 cache it gives the torch block's hidden states and writes the same keys and values, for float32 and
 int8 weights, fused or not, with q/k/v bias, grouped-query attention, Qwen3's q/k norm and partial
-rotary; a model on it gives the torch path's greedy tokens; and every pass it does not compute
-(several rows, a mask, gradients, small weights, another dtype) goes to the torch path."""
+rotary; a model on it gives the torch path's greedy tokens; it follows weights moved in place
+(`.to()`); and every pass it does not compute (several rows, a mask, gradients, small weights,
+another dtype, a slot past the cache) goes to the torch path."""
 import dataclasses
 
 import pytest
@@ -120,9 +121,25 @@ def test_passes_it_does_not_compute_go_to_torch():
         assert plan(mask=torch.ones(1, 1, 1, 4, dtype=torch.bool)) is None
         assert plan(cache=None) is None
         assert plan(cache_len=10) is None  # a DualCache suffix
+        assert plan(cache_start=SLOTS) is None  # past the cache's end: torch's path raises
+        assert plan(caches=[(k.expand(2, -1, -1, -1).contiguous(), v.expand(2, -1, -1, -1).contiguous())
+                            for k, v in caches]) is None  # a cache of two rows
         assert plan(x=one.bfloat16()) is None
         assert plan(block=small.layers[0], x=torch.randn(1, 128), caches=empty_cache(small)) is None
         assert plan(block=moe.layers[0], caches=empty_cache(moe)) is None  # a sparse MoE feed-forward
         assert cpu_decode.plan(block, one, [Segment(0, 1, 1, cache=caches)], 0, torch.ones(1)) is None  # q_scale
     with torch.no_grad(), torch.enable_grad():
         assert plan() is None  # training: autograd needs torch's ops
+
+
+def test_weights_moved_in_place_are_read_from_their_new_memory(monkeypatch):
+    """`.to()` keeps each Parameter and swaps its tensor: the C block must follow, never read the old memory."""
+    model = random_model(fused=False, n_kv_heads=12)
+    before, _ = decode(model, [5, 6, 7], 2, monkeypatch, in_c=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data * 1.5 if p.dim() == 2 else p.data.clone()  # new memory, new values
+    got, _ = decode(model, [5, 6, 7], 2, monkeypatch, in_c=True)
+    want, _ = decode(model, [5, 6, 7], 2, monkeypatch, in_c=False)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got, before, atol=1e-3)

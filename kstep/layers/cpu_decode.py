@@ -104,19 +104,25 @@ def _describe(block: nn.Module) -> tuple | None:
 
 
 def _key(block: nn.Module) -> tuple:
-    """What the cached description depends on: the objects holding the block's weights now (kept
-    alive by the description, so their ids are not reused while it is cached)."""
+    """The objects holding the block's weights now (replaced when it is fused or quantized)."""
     attn, mlp = block.attn, block.mlp
     return (attn.fused, attn.fused_out, mlp.fused, mlp.fused_down, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
             mlp.gate_proj, mlp.up_proj, mlp.down_proj, block.attn_norm.weight, block.mlp_norm.weight, attn.q_norm)
 
 
 def _layer(block: nn.Module) -> tuple | None:
-    """The block's cached description, rebuilt when its weights were replaced (fused, quantized)."""
+    """The block's cached description, rebuilt when its weights were replaced (fused, quantized) or
+    their memory was (`.to()` and `param.data = ...` keep the Parameter and swap its tensor)."""
     key = _key(block)
     cached = block.__dict__.get("_cpu_decode")
-    if cached is None or len(cached[0]) != len(key) or any(a is not b for a, b in zip(cached[0], key)):
-        cached = (key, _describe(block) if cpu_kernels.available() else None)
+    if cached is None or len(cached[0]) != len(key) or any(a is not b for a, b in zip(cached[0], key)) \
+            or any(t.data_ptr() != at for t, at in cached[2]):
+        described = _describe(block) if cpu_kernels.available() else None
+        tensors = [] if described is None else \
+            [t for item in described[1] for t in (item if isinstance(item, tuple) else (item,)) if t is not None]
+        # the pointers are checked against each tensor's on every call, and the memory they were
+        # taken from is held (detached views) while cached, so it is never freed or reused under the C
+        cached = (key, described, [(t, t.data_ptr()) for t in tensors], [t.detach() for t in tensors])
         block.__dict__["_cpu_decode"] = cached  # not a submodule or buffer: invisible to state_dict and .to()
     return cached[1]
 
@@ -135,8 +141,12 @@ def plan(block: nn.Module, x: torch.Tensor, segments: list[Segment], layer_idx: 
     if type(block.attn) is not Attention or type(block.mlp) is not SwiGLU:  # e.g. a sparse MoE layer
         return None
     k_cache, v_cache = seg.cache[layer_idx]
+    # the C writes at slot cache_start of one sequence's (1, Hkv, S, hd) cache without bounds checks:
+    # anything else (a slot past the end, a cache of several rows) gets the torch path and its errors
     if not (k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and k_cache.is_contiguous()
-            and v_cache.is_contiguous() and k_cache.device.type == "cpu"):
+            and v_cache.is_contiguous() and k_cache.device.type == "cpu" and k_cache.shape == v_cache.shape
+            and k_cache.shape[0] == 1 and 0 <= seg.cache_start < k_cache.shape[2]
+            and k_cache.shape[1] == block.attn.n_kv_heads and k_cache.shape[3] == block.attn.head_dim):
         return None
     described = _layer(block)
     return None if described is None else described[0]
