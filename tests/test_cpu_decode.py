@@ -97,7 +97,11 @@ def test_a_model_on_the_c_block_gives_the_torch_paths_greedy_tokens(quantize, tm
     path = write_random_checkpoint(tmp_path / "qwen2", family="qwen2", seed=2, d_model=768, n_layers=2, n_heads=12,
                                    n_kv_heads=2, ffn_dim=1024)
     llm = kstep.load(path, quantize=quantize)
+    calls = []
+    real_forward = cpu_decode.forward
+    monkeypatch.setattr(cpu_decode, "forward", lambda *a: calls.append(1) or real_forward(*a))
     got = llm.generate([[5, 6, 7]], max_tokens=16, ignore_eos=True)[0].token_ids
+    assert len(calls) == 15 * 2  # the 15 one-token passes after the prompt's, in both layers, ran in C
     monkeypatch.setattr(cpu_decode, "plan", lambda *args: None)
     assert got == llm.generate([[5, 6, 7]], max_tokens=16, ignore_eos=True)[0].token_ids
 

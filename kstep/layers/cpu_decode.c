@@ -11,18 +11,11 @@
 // the attention (its softmax uses libm's expf, torch a vectorized exp): the GEMVs are cpu_kernels.c's,
 // rotary is x * cos + rotated * sin with the products rounded before the sum, as torch's three ops
 // (cpu_kernels.py builds this file with -ffp-contract=off).
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-void kstep_gemv_f32(const float *x, long m, const float *w, const float *bias, float *y, long out, long in,
-                    int threads);
-void kstep_gemv_i8(const float *x, long m, const int8_t *w, const float *scales, const float *bias, float *y,
-                   long out, long in, int threads);
-void kstep_rms_norm_f32(const float *x, const float *delta, float *sum, const float *weight, float *y, long m,
-                        long dim, float eps);
+#include "cpu_kernels.h"
 
 // One projection y[0:out] = x @ W.T (+ bias): float32 W (out, in), or int8 codes with a float32 scale
 // per row (`scales` not NULL).
@@ -55,14 +48,6 @@ static void project(const kstep_proj *parts, int n, const float *x, long in, flo
     }
 }
 
-// RMSNorm of one head vector in place (Qwen3's q/k norm), as RMSNorm's float32 path.
-static void head_norm(float *v, long n, const float *weight, float eps) {
-    float ss = 0.0f;
-    for (long i = 0; i < n; i++) ss += v[i] * v[i];
-    float rstd = 1.0f / sqrtf(ss / (float)n + eps);
-    for (long i = 0; i < n; i++) v[i] = v[i] * rstd * weight[i];
-}
-
 // Rotary in the half-split layout over the first `width` dims (apply_rotary): x * cos + rotated * sin,
 // rotated = (-x2, x1).
 static void rotate(float *v, const float *cos_, const float *sin_, long width) {
@@ -80,15 +65,13 @@ static inline float dot(const float *a, const float *b, long n) {
     __m256 s = _mm256_setzero_ps();
     long i = 0;
     for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    float r = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    float r = hsum(s);
     for (; i < n; i++) r += a[i] * b[i];
     return r;
 }
 
 // out (hd) = softmax(q . k_j * scale over the keys j < length) . v_j, for one query head against its
-// key/value head (rows `stride` floats apart in the cache: (S_max, hd) per head).
+// key/value head (k, v: that head's (S_max, hd) rows in the cache).
 static void attend_head(const float *q, const float *k, const float *v, long length, long hd, float scale,
                         float *scores, float *out) {
     float top = -INFINITY;
@@ -123,11 +106,11 @@ void kstep_decode_layer(const kstep_layer *L, const float *x, float *y, const fl
     kstep_rms_norm_f32(x, NULL, NULL, L->attn_norm, h, 1, d, L->norm_eps);
     project(L->proj, L->qkv_parts, h, d, qkv, threads);
     float *q = qkv, *k = qkv + H * hd, *v = k + Hkv * hd;
-    for (long i = 0; i < H + Hkv; i++) {  // the queries' heads, then the keys'
-        float *head = qkv + i * hd;
-        if (L->q_norm) head_norm(head, hd, i < H ? L->q_norm : L->k_norm, L->qk_norm_eps);
-        rotate(head, cos_, sin_, L->rotary_width);
+    if (L->q_norm) {  // Qwen3's RMSNorm over each query and key head, in place
+        kstep_rms_norm_f32(q, NULL, NULL, L->q_norm, q, H, hd, L->qk_norm_eps);
+        kstep_rms_norm_f32(k, NULL, NULL, L->k_norm, k, Hkv, hd, L->qk_norm_eps);
     }
+    for (long i = 0; i < H + Hkv; i++) rotate(qkv + i * hd, cos_, sin_, L->rotary_width);  // queries, then keys
     for (long g = 0; g < Hkv; g++) {
         memcpy(k_cache + (g * cache_slots + slot) * hd, k + g * hd, sizeof(float) * hd);
         memcpy(v_cache + (g * cache_slots + slot) * hd, v + g * hd, sizeof(float) * hd);

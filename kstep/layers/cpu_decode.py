@@ -99,7 +99,7 @@ def _describe(block: nn.Module) -> tuple | None:
         keep += [attn.q_norm.weight, attn.k_norm.weight]
     for i, (tensors, weight, scales, bias, rows) in enumerate(p for stage in stages for p in stage):
         layer.proj[i] = _Proj(weight, scales, bias, rows)
-        keep.append(tensors)
+        keep += [t for t in tensors if t is not None]
     return layer, keep
 
 
@@ -118,8 +118,7 @@ def _layer(block: nn.Module) -> tuple | None:
     if cached is None or len(cached[0]) != len(key) or any(a is not b for a, b in zip(cached[0], key)) \
             or any(t.data_ptr() != at for t, at in cached[2]):
         described = _describe(block) if cpu_kernels.available() else None
-        tensors = [] if described is None else \
-            [t for item in described[1] for t in (item if isinstance(item, tuple) else (item,)) if t is not None]
+        tensors = [] if described is None else described[1]
         # the pointers are checked against each tensor's on every call, and the memory they were
         # taken from is held (detached views) while cached, so it is never freed or reused under the C
         cached = (key, described, [(t, t.data_ptr()) for t in tensors], [t.detach() for t in tensors])

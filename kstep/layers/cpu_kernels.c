@@ -8,18 +8,10 @@
 // Xeon and 16 7% slower, so GROUP stays 4. bf16 and int8, which are bound by their
 // conversions more than by memory here, lost 25-34% that way: they read one row at a time, which
 // keeps one long sequential stream per thread (their rows are short: 1.8 and 0.9 KB at width 896).
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <math.h>
 
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "cpu_kernels.h"
 
 static inline __m256 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d));
@@ -36,9 +28,7 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torc
     return (uint16_t)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);
 }
 
-#ifndef GROUP
 #define GROUP 4  // weight rows read side by side
-#endif
 
 // ---- float32 weights, float32 activations ----
 // The `n` (<= GROUP) rows from w, `in` apart, against x: sums into s[0..n).

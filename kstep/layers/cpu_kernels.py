@@ -30,6 +30,7 @@ import torch
 
 # The kernels, and the decode step's block built on them (cpu_decode.py); one library.
 SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("cpu_decode.c"))
+HEADER = Path(__file__).with_name("cpu_kernels.h")  # what the two share
 # Up to this many rows a call reads each weight row once and runs every x row against it while it is
 # in cache (a 0.5B model's projections at 4 rows: 1.3x the time of 1 row). More rows (a prefill, a
 # diffusion block) go to oneDNN/MKL's blocked matrix-matrix kernels.
@@ -57,7 +58,7 @@ def _cache_dir() -> Path:
 
 
 def _build() -> Path | None:
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
