@@ -1,5 +1,5 @@
 """argparse pieces every `kstep` command shares: the generation knobs' flags, generated from their
-declaration in GenerationParams (kstep/params.py), device/dtype flags, and list parsing. Bad values
+declaration in GenerationParams (kstep/params/generation.py), device/dtype flags, and list parsing. Bad values
 are errors that name the flag and the rule."""
 import argparse
 import types

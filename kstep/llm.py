@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kstep.budget import PassCosts, Plan, plan
+from kstep.budget.planner import PassCosts, Plan, plan
 from kstep.bundled import resolve_model
 from kstep.decoding.drafters import NGRAM
 from kstep.decoding.loop import decode_alone
@@ -22,10 +22,10 @@ from kstep.params import (AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, SELF_SPECU
 from kstep.decoding.base import DecodeBatch, Decoder
 from kstep.registry import FAMILIES, DecoderResources
 from kstep.runner.prefix_cache import PrefixCache
-from kstep.runner.loading import load_runner
+from kstep.loading import load_runner
 from kstep.runner.model_runner import ModelRunner
 from kstep.tokenizer import Tokenizer, load_tokenizer
-from kstep.uniform_budget import plan_uniform
+from kstep.budget.uniform import plan_uniform
 from kstep.weights import read_json, resolve_dtype
 
 Prompt = str | list[int]
@@ -48,7 +48,7 @@ class LLM:
         self.family = FAMILIES[self.cfg.family]
         self.tokenizer: Tokenizer | None = load_tokenizer(self.path)
         experts = None if self.cfg.moe is None else self.cfg.moe.expected_experts
-        self.pass_costs = PassCosts(experts=experts)  # this device's measured pass costs, for time budgets (budget.py)
+        self.pass_costs = PassCosts(experts=experts)  # this device's measured pass costs, for time budgets (budget/planner.py)
         eot = self.tokenizer.end_of_turn_ids() if self.tokenizer else []
         self.stop_ids = list(dict.fromkeys([*self.cfg.eos_token_ids, *eot]))
         self.pad_id = next(i for i in (self.cfg.pad_token_id, *self.stop_ids, 0) if i is not None
@@ -204,14 +204,14 @@ class LLM:
         return self.family.decoder(self.runner, batch, params, DecoderResources(prefix_cache, self.drafter))
 
     def calibrate_pass_costs(self) -> None:
-        """Time the time-budget planner's table once, on the thread that runs torch (pass_costs.py)."""
+        """Time the time-budget planner's table once, on the thread that runs torch (budget/costs.py)."""
         if not self.pass_costs.is_calibrated:
             whole = self.runner.whole_pass if self.tensor_parallel_size > 1 else None  # every rank takes part
             self.pass_costs.calibrate(self.model, self.device, self.cfg.max_positions, self.resolve, self.make_decoder,
                                       forward=whole)
 
     def plan_budget(self, params: GenerationParams, prompt_len: int, suffix_len: int = 0, load: float = 0) -> Plan:
-        """The plan that fits params.time_budget here (budget.py); `load`: seconds per step of the batch it joins."""
+        """The plan that fits params.time_budget here (budget/planner.py); `load`: seconds per step of the batch it joins."""
         self.calibrate_pass_costs()
         if self.family.kind == UNIFORM_DIFFUSION:
             return plan_uniform(self.pass_costs, params, prompt_len, self.cfg.canvas_length, params.time_budget,

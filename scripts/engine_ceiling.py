@@ -8,7 +8,7 @@ import time
 import torch
 
 import kstep
-from kstep.bench.prompts import held_out_code_prompts
+from kstep.eval.prompts import held_out_code_prompts
 from kstep.engine.engine import Engine, warm_up
 from kstep.engine.request import Request
 from kstep.params import GenerationParams

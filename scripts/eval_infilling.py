@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import kstep
-from kstep.bench.prompts import prompt_rows
+from kstep.eval.prompts import prompt_rows
 from kstep.eval.metrics import normalized_edit_distance
 
 

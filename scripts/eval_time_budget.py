@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import kstep
-from kstep.bench.prompts import prompt_rows
+from kstep.eval.prompts import prompt_rows
 from kstep.eval.metrics import function_part, parses
 
 FRACTIONS = (1.0, 0.75, 0.5, 0.25)

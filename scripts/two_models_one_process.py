@@ -13,7 +13,7 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from kstep.bench.prompts import held_out_code_prompts
+from kstep.eval.prompts import held_out_code_prompts
 from kstep.bench.serve import run_load, summarize
 from kstep.bench.server_process import running_server
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import kstep
-from kstep.budget import PassCosts, plan
+from kstep.budget.planner import PassCosts, plan
 from kstep.params import AUTOREGRESSIVE, DIFFUSION
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kstep
-from kstep.budget import MARGIN, PassCosts
-from kstep.pass_costs import WINDOW
+from kstep.budget.planner import MARGIN, PassCosts
+from kstep.budget.costs import WINDOW
 from kstep.random_checkpoint import write_random_checkpoint
 
 

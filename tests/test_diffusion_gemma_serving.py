@@ -17,14 +17,14 @@ import kstep
 from kstep.bench.compare import run_compare
 from kstep.bench.cost_model import Device
 from kstep.bench.uniform_cost import gemma_pass_cost, uniform_diffusion_cost
-from kstep.budget import PassCosts
+from kstep.budget.planner import PassCosts
 from kstep.engine.engine import Engine
 from kstep.engine.request import Request
 from kstep.eval.run import run_eval, uniform_settings
 from kstep.models.diffusion_gemma_layers import DECODER, ENCODER
 from kstep.bench.server_process import running_server
 from kstep.params import GenerationParams
-from kstep.uniform_budget import plan_uniform
+from kstep.budget.uniform import plan_uniform
 
 GEMMA_REQUESTS = [  # (prompts, settings, joins before step)
     (["def add(a, b):"], dict(max_tokens=16, seed=1), 0),

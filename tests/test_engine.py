@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import kstep
-from kstep.budget import PassCosts
+from kstep.budget.planner import PassCosts
 from kstep.decoding.base import Decoder
 from kstep.engine.engine import Engine, StepStats
 from kstep.engine.request import Request, RequestOutput

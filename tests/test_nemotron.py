@@ -13,8 +13,8 @@ from nemotron_reference import ReferenceNemotron, ar_generate, generate, linear_
 from safetensors.torch import load_file, save_file
 
 import kstep
-from kstep.block_budget import worst_run
-from kstep.budget import token_seconds
+from kstep.budget.block import worst_run
+from kstep.budget.planner import token_seconds
 from kstep.decoding.loop import decode_alone
 from kstep.layers.rotary import rope_inv_freq
 from kstep.models import nemotron_labs_diffusion as layout

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kstep.bench.prompts import held_out_code_prompts
+from kstep.eval.prompts import held_out_code_prompts
 from kstep.bundled import resolve_model
 from kstep.llm import load
 

@@ -93,7 +93,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
     from kstep.bench.compare import default_sides, run_compare
     from kstep.bench.compare_report import format_table
     from kstep.bench.cost_model import Device
-    from kstep.bench.prompts import prompt_rows
+    from kstep.eval.prompts import prompt_rows
     from kstep.bundled import resolve_model
     from kstep.registry import FAMILIES
     from kstep.weights import read_model_config
@@ -200,7 +200,7 @@ def _add_serve(kinds) -> None:
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
-    from kstep.bench.prompts import held_out_code_prompts
+    from kstep.eval.prompts import held_out_code_prompts
     from kstep.bench.serve import format_table, run_bench
     check_positive(args, "concurrency", "duration", "max_tokens", "num_prompts")
     settings = {}

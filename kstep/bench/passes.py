@@ -17,7 +17,7 @@ import time
 import torch
 
 from kstep.bench.cost_model import pass_cost
-from kstep.budget import PassCosts
+from kstep.budget.planner import PassCosts
 from kstep.layers.linear import pack_fused_weights
 from kstep.random_checkpoint import random_config, random_parameters
 from kstep.runner.model_runner import ModelRunner
@@ -46,7 +46,7 @@ def random_model(family: str, shape: str, dtype: torch.dtype, device: str = "cpu
         for name, value in random_parameters(cfg, seed):
             params[name].copy_(value)
     model.fuse_projections()
-    pack_fused_weights(model)  # as kstep.load does (runner/loading.py)
+    pack_fused_weights(model)  # as kstep.load does (kstep/loading.py)
     return model
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kstep.bench.prompts import held_out_code_prompts
+from kstep.eval.prompts import held_out_code_prompts
 from kstep.bundled import resolve_model
 from kstep.layers.quantized import model_bytes
 from kstep.llm import load

@@ -183,7 +183,7 @@ def add_self_spec(kinds) -> None:
 
 
 def run_self_spec(args: argparse.Namespace) -> int:
-    from kstep.bench.prompts import prompt_rows
+    from kstep.eval.prompts import prompt_rows
     from kstep.bench.self_spec import format_table, measure
     set_threads(args.threads)
     check_positive(args, "num_prompts")

@@ -34,7 +34,7 @@ def add_eval(sub) -> None:
 
 
 def run_eval_command(args: argparse.Namespace) -> int:
-    from kstep.bench.prompts import prompt_rows
+    from kstep.eval.prompts import prompt_rows
     from kstep.bundled import resolve_model
     from kstep.eval.run import block_settings, default_settings, format_table, run_eval, uniform_settings
     from kstep.registry import BLOCK_DIFFUSION, FAMILIES, UNIFORM_DIFFUSION

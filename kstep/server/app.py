@@ -23,7 +23,7 @@ from kstep.engine.engine import Engine, RequestLimits, warm_up
 from kstep.engine.request import Request as EngineRequest
 from kstep.engine.scheduler import QueueFull
 from kstep.llm import LLM
-from kstep.validation import MAX_PASSES_PER_POSITION
+from kstep.params.validation import MAX_PASSES_PER_POSITION
 from kstep.server.errors import APIError, BodySizeLimit, install_error_handlers, param_named_in
 from kstep.server.metrics import Metrics, ModelMetrics
 from kstep.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields

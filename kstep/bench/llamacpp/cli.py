@@ -45,7 +45,7 @@ def prompt_ids(checkpoint: Path, count: int) -> list[int]:
     """The held-out code prompts in the checkpoint's tokenizer, cycled to `count` ids."""
     from tokenizers import Tokenizer
 
-    from kstep.bench.prompts import held_out_code_prompts
+    from kstep.eval.prompts import held_out_code_prompts
     ids = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode("\n".join(held_out_code_prompts())).ids
     return [ids[i % len(ids)] for i in range(count)]
 
@@ -99,7 +99,7 @@ def report(out: Path, name: str, rows: list[dict], table: str) -> int:
 
 def run_diffusion(args: argparse.Namespace, paths: dict) -> int:
     from kstep.bench.llamacpp.diffusion import compare_diffusion, format_table
-    from kstep.bench.prompts import held_out_code_prompts
+    from kstep.eval.prompts import held_out_code_prompts
     rows = []
     for checkpoint in checkpoints(args):
         rows += compare_diffusion(checkpoint, held_out_code_prompts(1)[0], args.prompt_tokens, args.max_tokens,

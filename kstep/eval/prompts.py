@@ -1,11 +1,10 @@
-"""The benchmarks' default prompts: held-out standard-library functions, signature + docstring as
-the prompt and the real body as the reference, from files the bundled models never trained on
-(their recorded data split). They ship as `kstep/bundled/prompts/code_prompts.jsonl`, written by
-`write_code_prompts` (python -m kstep.bench.prompts), so every machine gets the same set."""
+"""Prompt sets for `kstep eval` and the benchmarks: JSONL files a user gives, and the shipped default:
+held-out standard-library functions, signature + docstring as the prompt and the real body as the
+reference, from files the bundled models never trained on (their recorded data split). The default
+ships as `kstep/bundled/prompts/code_prompts.jsonl`, written by `python -m kstep.train.held_out_prompts`,
+so every machine gets the same set."""
 import json
 from pathlib import Path
-
-from kstep.bundled import resolve_model
 
 CODE_PROMPTS = Path(__file__).resolve().parents[1] / "bundled" / "prompts" / "code_prompts.jsonl"
 
@@ -43,20 +42,3 @@ def held_out_code_prompts(count: int | None = None) -> list[str]:
     """The shipped held-out prompts (the first `count`, or all)."""
     rows = read_prompt_file(CODE_PROMPTS)
     return [r["prompt"] for r in rows[:count]]
-
-
-def write_code_prompts(out: Path = CODE_PROMPTS, model: str = "default") -> int:
-    from kstep.train import data
-    from kstep.train.corpus import function_examples
-    held_out = set(json.loads((resolve_model(model) / "data_split.json").read_text())["held_out"])
-    files = [f for f in data.corpus_files("stdlib") if f.rel in held_out]
-    examples = [e for e in function_examples(files) if 80 < len(e.prompt) < 500 and 40 < len(e.body) < 800]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as f:
-        for e in examples:
-            f.write(json.dumps({"prompt": e.prompt, "body": e.body, "source": f"{e.file}:{e.name}"}) + "\n")
-    return len(examples)
-
-
-if __name__ == "__main__":
-    print(write_code_prompts())

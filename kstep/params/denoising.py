@@ -6,7 +6,7 @@ and block-diffusion kinds). Plain Python, no torch; the defaults live here.
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from kstep.validation import check_dream_schedule, check_pass_bound, check_self_speculation
+from kstep.params.validation import check_dream_schedule, check_pass_bound, check_self_speculation
 
 DEFAULT_BLOCK_LENGTH = 32  # LLaDA-Instruct's recommended semi-autoregressive block
 # The fast default (Fast-dLLM's dual cache + confidence threshold): `kstep eval` measured it to hold

@@ -1,4 +1,4 @@
-"""What a step costs on this device: the time-budget planner's table (budget.py reads it).
+"""What a step costs on this device: the time-budget planner's table (planner.py reads it).
 
 A step is a forward pass and what the decoder does with it (sampling, unmasking): on a tiny model the
 latter is most of it. seconds = a + b * tokens + c * tokens * attended (+ d * experts(tokens) for an

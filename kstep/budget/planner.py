@@ -7,10 +7,10 @@ its worst case, counted as the family's decoder runs it, and picks the most pass
 share of the budget the requests planned so far say is safe (PassCosts.margin: 90% at first):
 - a canvas diffusion model (LLaDA, Dream): its default adaptive decoding when even its worst case
   (one token per pass) fits, unchanged; otherwise the most passes per block that fit, a fixed schedule;
-- a block model (SDAR, Fast-dLLM v2, LLaDA2): the same, counted by block_budget.py (its prefill,
+- a block model (SDAR, Fast-dLLM v2, LLaDA2): the same, counted by block.py (its prefill,
   every block's passes and commits, LLaDA2.1's editing passes); coarser means a pass cap per block
   (`steps`, its threshold kept) and, with token editing, fewer post steps first (max_post_steps to 0);
-- DiffusionGemma: uniform_budget.py (decoder passes per canvas);
+- DiffusionGemma: uniform.py (decoder passes per canvas);
 - an AR model can only stop early: `max_tokens` is capped to what fits (finish_reason "length");
   Nemotron-Labs-Diffusion: its `diffusion` mode as a block model (block_budget.causal_context_run),
   `ar` as AR, `linear_spec` as AR at two passes of its block per token (no draft kept).
@@ -20,9 +20,9 @@ naming that minimum: the same number that decides, so a budget above it is alway
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kstep.block_budget import BlockRun, coarser_settings, worst_run
+from kstep.budget.block import BlockRun, coarser_settings, worst_run
 from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, SELF_SPECULATION, GenerationParams, knob_applies, user_knobs
-from kstep.pass_costs import MARGIN, LoadedCosts, PassCosts
+from kstep.budget.costs import MARGIN, LoadedCosts, PassCosts
 
 __all__ = ["MARGIN", "LoadedCosts", "PassCosts", "Plan", "plan", "predicted_seconds", "run_seconds"]
 

@@ -1,6 +1,6 @@
 """What a block-diffusion decoding runs at worst, pass by pass (decoding/block_diffusion.py,
 block_cache.py, token_editing.py), and the coarser settings a time budget may choose among
-(budget.py picks one; this module only counts).
+(planner.py picks one; this module only counts).
 
 A decoding of N tokens after a prompt of P covers the blocks P // bs .. (P + N - 1) // bs, the last
 one whole (its positions past N are decoded too, as the references decode whole blocks). At worst

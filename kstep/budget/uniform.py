@@ -10,7 +10,7 @@ K passes whether or not it converged).
 """
 from dataclasses import replace
 
-from kstep.budget import LoadedCosts, PassCosts, Plan
+from kstep.budget.planner import LoadedCosts, PassCosts, Plan
 from kstep.params import GenerationParams
 
 

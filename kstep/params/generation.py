@@ -12,9 +12,9 @@ are Dream's (`diffusion_generate`).
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
-from kstep.denoising_params import (DEFAULT_NUM_DRAFT_TOKENS, SELF_DRAFT, UnmaskPolicy, resolve_block_diffusion,
+from kstep.params.denoising import (DEFAULT_NUM_DRAFT_TOKENS, SELF_DRAFT, UnmaskPolicy, resolve_block_diffusion,
                                     resolve_diffusion)
-from kstep.validation import MAX_SEED, check_int, check_number, check_pass_bound
+from kstep.params.validation import MAX_SEED, check_int, check_number, check_pass_bound
 
 # The kinds of family: masked diffusion over a canvas (LLaDA, Dream), block diffusion (bidirectional
 # inside a block, causal across: Fast-dLLM v2, SDAR), autoregressive; uniform diffusion: canvases

@@ -1,0 +1,11 @@
+"""Per-request knobs: their declaration and resolution (generation.py), the diffusion kinds' policy,
+blocks and steps (denoising.py), and the range checks every edge shares (validation.py). Plain
+Python, no torch: the scheduler and request bookkeeping import it."""
+from kstep.params.denoising import DEFAULT_NUM_DRAFT_TOKENS, SELF_DRAFT, UnmaskPolicy
+from kstep.params.generation import (AUTOREGRESSIVE, BLOCK_DIFFUSION, CACHE_MODES, DIFFUSION, MODES,
+                                     REMASKING_RULES, SELF_SPECULATION, UNIFORM_DIFFUSION, GenerationParams,
+                                     knob_applies, user_knobs)
+
+__all__ = ["AUTOREGRESSIVE", "BLOCK_DIFFUSION", "CACHE_MODES", "DEFAULT_NUM_DRAFT_TOKENS", "DIFFUSION", "MODES",
+           "REMASKING_RULES", "SELF_DRAFT", "SELF_SPECULATION", "UNIFORM_DIFFUSION", "GenerationParams",
+           "UnmaskPolicy", "knob_applies", "user_knobs"]
