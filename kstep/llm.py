@@ -43,7 +43,7 @@ class LLM:
         self.runner = load_runner(self.path, self.device, resolve_dtype(dtype), quantize, tensor_parallel_size,
                                   backend=distributed_executor_backend)
         self.model = self.runner.model  # a tensor-parallel model: rank 0's share
-        self.close = weakref.finalize(self, getattr(self.runner, "close", lambda: None))  # its ranks stop with it
+        self.close = weakref.finalize(self, self.runner.close)  # its ranks stop with it
         self.cfg = self.model.cfg
         self.family = FAMILIES[self.cfg.family]
         self.tokenizer: Tokenizer | None = load_tokenizer(self.path)

@@ -152,6 +152,10 @@ class GenerationParams:
                                     ("cache", CACHE_MODES, "a cache mode"), ("mode", MODES, "a decoding mode")):
             if (value := getattr(self, name)) is not None and value not in allowed:
                 raise ValueError(f"{name} {value!r} is not {what} (choose from {', '.join(allowed)})")
+        if self.draft is not None and self.draft != SELF_DRAFT:  # a draft model is the model's, chosen at load
+            raise ValueError(f"draft {self.draft!r}: a request's draft can only be '{SELF_DRAFT}' (a diffusion "
+                             "model drafting for itself); an AR model's draft model or 'ngram' is chosen when it "
+                             "is loaded (kstep.load(..., draft=...), --draft)")
         if (self.threshold is not None or self.factor is not None) and self.remasking == "entropy":
             raise ValueError("threshold and factor compare confidences with probabilities; remasking 'entropy' "
                              "scores negative entropy: use low_confidence, margin or random")

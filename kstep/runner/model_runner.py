@@ -58,6 +58,13 @@ class ModelRunner:
         # (one small gather) instead of gathered logits. One device: the logits, bit-equal to the references'.
         self.computes_top_tokens = getattr(model, "tp", None) is not None
 
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (a tensor-parallel group's ranks); one device: nothing."""
+
+    def expert_load(self) -> list[int] | None:
+        """Per rank, the (token, expert) pairs its experts have run (tensor parallel); one device: None."""
+        return None
+
     def synchronize(self) -> None:
         """Wait for queued device work (for honest timings on CUDA; a no-op on the CPU)."""
         if self.device.type == "cuda":

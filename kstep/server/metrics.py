@@ -72,8 +72,7 @@ class ModelMetrics:
         m.batch_size.labels(label).observe(stats.batch_size)
         m.queue_depth.labels(label).set(engine.scheduler.num_waiting)
         m.running.labels(label).set(engine.scheduler.num_running)
-        expert_load = getattr(engine.llm.runner, "expert_load", None)
-        for rank, pairs in enumerate((expert_load() if expert_load else None) or []):
+        for rank, pairs in enumerate(engine.llm.runner.expert_load() or []):
             m.expert_pairs.labels(label, str(rank)).set(pairs)
         if engine.prefix_cache is not None:
             m.prefix_hit_tokens.labels(label).set(engine.prefix_cache.hit_tokens)
