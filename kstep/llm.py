@@ -19,13 +19,14 @@ from kstep.decoding.loop import decode_alone
 from kstep.outputs import GenerationResult
 from kstep.params import (AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, SELF_SPECULATION, UNIFORM_DIFFUSION,
                           GenerationParams, knob_applies)
-from kstep.decoding.base import DecodeBatch, Decoder
-from kstep.registry import FAMILIES, DecoderResources
+from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
+from kstep.decoding.table import make_decoder
+from kstep.params.family_defaults import checkpoint_defaults, knob_defaults
+from kstep.registry import FAMILIES
 from kstep.runner.prefix_cache import PrefixCache
 from kstep.loading import load_runner
 from kstep.runner.model_runner import ModelRunner
 from kstep.tokenizer import Tokenizer, load_tokenizer
-from kstep.budget.uniform import plan_uniform
 from kstep.weights import read_json, resolve_dtype
 
 Prompt = str | list[int]
@@ -64,9 +65,9 @@ class LLM:
             self._check_draft(self.draft)
 
     def _checkpoint_defaults(self) -> dict:
-        """Knob values the checkpoint's generation_config.json gives (Family.generation_defaults)."""
+        """Knob values the checkpoint's generation_config.json gives (params/family_defaults.py)."""
         path = self.path / "generation_config.json"
-        return self.family.generation_defaults(read_json(path) if path.is_file() else {})
+        return checkpoint_defaults(self.family, read_json(path) if path.is_file() else {})
 
     def _check_draft(self, draft: "LLM") -> None:
         """A draft must be an AR model over the same vocabulary: its token ids mean the target's."""
@@ -102,14 +103,14 @@ class LLM:
         block = params.block_length or self.cfg.block_size
         if block and block % checkpoint.get("sub_block_length", block):
             checkpoint.pop("sub_block_length")  # the request's block is not made of the checkpoint's sub-blocks
-        kind = self.family.kind_for(params)  # a tri-mode model: its request's mode's
+        kind = self.family.kind_for(params.mode)  # a tri-mode model: its request's mode's
         checkpoint = {k: v for k, v in checkpoint.items() if knob_applies(k, self.cfg.family, kind)}
-        defaults = {**self.family.knob_defaults(self.cfg, params), **checkpoint}
+        defaults = {**knob_defaults(self.family, self.cfg.block_size, params), **checkpoint}
         unset = {k: v for k, v in defaults.items() if getattr(params, k) is None}
         if unset and not params.is_resolved:
             params = replace(params, **unset)
         has_draft = self.draft is not None or params.mode == SELF_SPECULATION  # LinearSpec: drafts for itself
-        return params.resolve(self.cfg.family, kind, has_draft, getattr(self.cfg, "canvas_length", None))
+        return params.resolve(self.cfg.family, kind, has_draft, self.cfg.canvas_length)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of one prompt, checked against the vocabulary and the mask id."""
@@ -140,7 +141,7 @@ class LLM:
         bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"{what} token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        if (image_id := getattr(self.cfg, "image_token_id", None)) is not None and image_id in ids:
+        if (image_id := self.cfg.image_token_id) is not None and image_id in ids:
             raise ValueError(f"{what} contains the image token id {image_id}: {self.cfg.family} runs text only")
         if self.cfg.mask_token_id is not None and self.cfg.mask_token_id in ids:
             raise ValueError(f"{what} contains the mask token id {self.cfg.mask_token_id}, "
@@ -169,7 +170,7 @@ class LLM:
         extra, why = 0, ""
         if suffixes and any(suffixes):
             extra, why = max(len(s) for s in suffixes), " + suffix"
-        if (kind := self.family.kind_for(params)) == AUTOREGRESSIVE and params.num_draft_tokens:
+        if (kind := self.family.kind_for(params.mode)) == AUTOREGRESSIVE and params.num_draft_tokens:
             extra, why = params.num_draft_tokens + 1, " + num_draft_tokens + 1"
         elif kind == BLOCK_DIFFUSION:  # the last block may end up to a block past max_tokens
             extra, why = params.block_length, f" + block_length ({params.block_length})"
@@ -201,7 +202,7 @@ class LLM:
                     first_allowed[row, allowed] = True
         batch = DecodeBatch.from_prompts(rows, self.pad_id, self.stop_ids, self.cfg.mask_token_id, self.device,
                                          params.seed, include_canvas, first_allowed, suffixes)
-        return self.family.decoder(self.runner, batch, params, DecoderResources(prefix_cache, self.drafter))
+        return make_decoder(self.family, self.runner, batch, params, DecoderResources(prefix_cache, self.drafter))
 
     def calibrate_pass_costs(self) -> None:
         """Time the time-budget planner's table once, on the thread that runs torch (budget/costs.py)."""
@@ -213,11 +214,8 @@ class LLM:
     def plan_budget(self, params: GenerationParams, prompt_len: int, suffix_len: int = 0, load: float = 0) -> Plan:
         """The plan that fits params.time_budget here (budget/planner.py); `load`: seconds per step of the batch it joins."""
         self.calibrate_pass_costs()
-        if self.family.kind == UNIFORM_DIFFUSION:
-            return plan_uniform(self.pass_costs, params, prompt_len, self.cfg.canvas_length, params.time_budget,
-                                self.resolve, load)
-        return plan(self.pass_costs, self.family.kind_for(params), params, prompt_len, suffix_len,
-                    params.time_budget, self.resolve, load, family=self.cfg.family, max_positions=self.cfg.max_positions)
+        return plan(self.pass_costs, self.family, params, prompt_len, suffix_len, params.time_budget, self.resolve,
+                    load, self.cfg.max_positions, self.cfg.canvas_length)
 
     def cut_at_stop(self, row: list[int], ignore_eos: bool = False) -> tuple[list[int], str]:
         """A completion up to its first end-of-sequence token (`ignore_eos`: all of it), and why it ended."""

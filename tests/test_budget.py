@@ -8,7 +8,6 @@ import pytest
 
 import kstep
 from kstep.budget.planner import PassCosts, plan
-from kstep.params import AUTOREGRESSIVE, DIFFUSION
 
 
 def toy_costs(fixed=1.0, per_token=0.01) -> PassCosts:
@@ -25,7 +24,7 @@ def test_planned_passes_grow_with_the_budget(llada_path):
     costs = toy_costs()
     passes = []
     for budget in (8, 10, 20, 40, 80, 200):
-        chosen = plan(costs, DIFFUSION, params, 8, 0, budget, llm.resolve)
+        chosen = plan(costs, llm.family, params, 8, 0, budget, llm.resolve)
         assert chosen.predicted_seconds <= 0.9 * budget
         assert chosen.params.steps is None or chosen.params.steps % 4 == 0  # whole passes in every block
         passes.append(chosen.passes)
@@ -52,10 +51,10 @@ def test_an_ample_budget_changes_nothing(path, request):
 def test_a_tight_budget_coarsens_diffusion_and_truncates_ar(llada_path, llama_path):
     costs = toy_costs(fixed=1.0, per_token=0.0)  # one second per pass, whatever its shape
     ar = kstep.load(llama_path)
-    capped = plan(costs, AUTOREGRESSIVE, ar.resolve(kstep.GenerationParams(max_tokens=32)), 4, 0, 10.0, ar.resolve)
+    capped = plan(costs, ar.family, ar.resolve(kstep.GenerationParams(max_tokens=32)), 4, 0, 10.0, ar.resolve)
     assert capped.params.max_tokens == 9 and capped.passes == 9  # 9 passes <= 0.9 x 10 s
     llada = kstep.load(llada_path)
-    coarse = plan(costs, DIFFUSION, llada.resolve(kstep.GenerationParams(max_tokens=32, block_length=8)), 4, 0, 10.0,
+    coarse = plan(costs, llada.family, llada.resolve(kstep.GenerationParams(max_tokens=32, block_length=8)), 4, 0, 10.0,
                   llada.resolve)
     assert coarse.params.steps == 8 and coarse.params.max_tokens == 32  # 2 per block: all 32 tokens in 8 passes
 
@@ -84,11 +83,11 @@ def test_load_makes_plans_coarser_then_infeasible(llada_path):
     llada = kstep.load(llada_path)
     params = llada.resolve(kstep.GenerationParams(max_tokens=32, block_length=8))
     costs = toy_costs(fixed=1.0, per_token=0.0)
-    idle = plan(costs, DIFFUSION, params, 4, 0, 30.0, llada.resolve)
-    loaded = plan(costs, DIFFUSION, params, 4, 0, 30.0, llada.resolve, load=1.0)
+    idle = plan(costs, llada.family, params, 4, 0, 30.0, llada.resolve)
+    loaded = plan(costs, llada.family, params, 4, 0, 30.0, llada.resolve, load=1.0)
     assert loaded.passes < idle.passes and loaded.predicted_seconds <= 27.0
     with pytest.raises(ValueError, match="below the"):
-        plan(costs, DIFFUSION, params, 4, 0, 30.0, llada.resolve, load=10.0)  # 4 passes x 11 s > 27 s
+        plan(costs, llada.family, params, 4, 0, 30.0, llada.resolve, load=10.0)  # 4 passes x 11 s > 27 s
 
 
 def test_the_fit_follows_a_kink_in_pass_cost_between_the_widths_it_timed():

@@ -24,7 +24,7 @@ from kstep.eval.run import run_eval, uniform_settings
 from kstep.models.diffusion_gemma_layers import DECODER, ENCODER
 from kstep.bench.server_process import running_server
 from kstep.params import GenerationParams
-from kstep.budget.uniform import plan_uniform
+from kstep.budget.planner import plan
 
 GEMMA_REQUESTS = [  # (prompts, settings, joins before step)
     (["def add(a, b):"], dict(max_tokens=16, seed=1), 0),
@@ -122,12 +122,12 @@ def test_time_budget_caps_the_decoder_passes_per_canvas(gemma_path):
     for tokens, attended in ((1, 1), (8, 8), (8, 64), (64, 64)):
         costs.observe(tokens, attended, 0.01 + 0.001 * tokens)  # 18 ms a canvas pass
     params = llm.resolve(GenerationParams(max_tokens=16))  # 2 canvases, 48 passes each at most
-    ample = plan_uniform(costs, params, 8, 8, 10.0, llm.resolve)
+    ample = plan(costs, llm.family, params, 8, 0, 10.0, llm.resolve, canvas_length=8)
     assert ample.params is params and ample.passes == 1 + 2 * 48 + 1
-    tight = plan_uniform(costs, params, 8, 8, 0.5, llm.resolve)
+    tight = plan(costs, llm.family, params, 8, 0, 0.5, llm.resolve, canvas_length=8)
     assert 1 <= tight.params.max_denoising_steps < 48 and tight.predicted_seconds <= 0.45
     with pytest.raises(ValueError, match="even one decoder pass per canvas"):
-        plan_uniform(costs, params, 8, 8, 0.01, llm.resolve)
+        plan(costs, llm.family, params, 8, 0, 0.01, llm.resolve, canvas_length=8)
     result = llm.generate("x = [", max_tokens=16, time_budget=60.0)[0]
     assert result.timings["planned_passes"] >= result.nfe
 

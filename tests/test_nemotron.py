@@ -200,7 +200,7 @@ def test_time_budget_plans_each_mode(models):
     llm, _ = models
     ids = prompt(10, 11)[0].tolist()
     resolved = llm.resolve(kstep.GenerationParams(max_tokens=20))
-    run = worst_run(resolved, 10, FAMILY)  # prefill + 3 blocks of 7 masks + 2 commits
+    run = worst_run(resolved, 10, llm.family.block_rules)  # prefill + 3 blocks of 7 masks + 2 commits
     assert run.passes == 1 + 3 * 7 + 2
     for mode in ("diffusion", "ar", "linear_spec"):
         result = llm.generate(ids, max_tokens=20, mode=mode, time_budget=30.0)[0]

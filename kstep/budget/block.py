@@ -24,11 +24,7 @@ Nemotron-Labs-Diffusion's blocks (decoding/causal_context.py) follow the prompt 
 from dataclasses import dataclass
 
 from kstep.params import GenerationParams
-
-# The families' BlockRules (registry.py), as the planner needs them.
-SHIFTED = ("fast_dllm_v2",)      # is_shifted: the token at j from the output at j - 1
-STEPS_CAPPED = ("llada2_moe",)   # steps_capped: passes per block min(steps or bs, max_tokens) without editing
-CAUSAL_CONTEXT = ("nemotron_labs_diffusion",)  # causal_context.CausalContextDecoder
+from kstep.registry import BlockRules
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,18 +55,19 @@ def mask_passes(masks: list[int], schedule: list[int] | None, already: int = 0) 
     return passes
 
 
-def worst_run(params: GenerationParams, prompt_len: int, family: str, max_positions: int | None = None) -> BlockRun:
-    """The passes a block decoding under resolved `params` runs at worst (module note); `family`
-    selects its rules, `max_positions` whether commits can be fused (they need a block of room)."""
-    if family in CAUSAL_CONTEXT:
+def worst_run(params: GenerationParams, prompt_len: int, rules: BlockRules, max_positions: int | None = None
+              ) -> BlockRun:
+    """The passes a block decoding under resolved `params` runs at worst (module note), by its
+    family's `rules`; `max_positions`: whether commits can be fused (they need a block of room)."""
+    if rules.has_causal_context:
         return causal_context_run(params, prompt_len)
     P, N, bs = prompt_len, params.max_tokens, params.block_length
     sub = params.sub_block_length or bs
-    shifted = family in SHIFTED
+    shifted = rules.is_shifted
     fused = params.fused_commit and (max_positions is None or P + N + 2 * bs <= max_positions)
     editing = params.editing_threshold is not None
     steps = params.steps
-    if family in STEPS_CAPPED and not editing:
+    if rules.steps_capped and not editing:
         steps = min(steps or bs, N)
     schedule = None if steps is None else transfer_counts(bs, steps)
     post = (params.max_post_steps or 0) if editing else 0

@@ -254,7 +254,7 @@ def calibration_request(cfg) -> tuple[list[int], int]:
     """(prompt ids, max_tokens) of a short request whose decoding shows a family's steps: a prompt
     past one block (a prefill, then a partial block) and two blocks or more (commits, fused or not)."""
     block = cfg.block_size or 0
-    avoid = {cfg.mask_token_id, getattr(cfg, "image_token_id", None), *cfg.eos_token_ids}
+    avoid = {cfg.mask_token_id, cfg.image_token_id, *cfg.eos_token_ids}
     ordinary = [i for i in range(min(cfg.vocab_size, 4096)) if i not in avoid]
     return [ordinary[(7 + 3 * k) % len(ordinary)] for k in range(block + 3 if block else 16)], max(2 * block, 32)
 

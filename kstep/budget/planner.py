@@ -10,9 +10,10 @@ share of the budget the requests planned so far say is safe (PassCosts.margin: 9
 - a block model (SDAR, Fast-dLLM v2, LLaDA2): the same, counted by block.py (its prefill,
   every block's passes and commits, LLaDA2.1's editing passes); coarser means a pass cap per block
   (`steps`, its threshold kept) and, with token editing, fewer post steps first (max_post_steps to 0);
-- DiffusionGemma: uniform.py (decoder passes per canvas);
+- DiffusionGemma: counted by uniform.py (decoder passes per canvas); coarser means fewer passes per
+  canvas (`max_denoising_steps`);
 - an AR model can only stop early: `max_tokens` is capped to what fits (finish_reason "length");
-  Nemotron-Labs-Diffusion: its `diffusion` mode as a block model (block_budget.causal_context_run),
+  Nemotron-Labs-Diffusion: its `diffusion` mode as a block model (block.causal_context_run),
   `ar` as AR, `linear_spec` as AR at two passes of its block per token (no draft kept).
 A budget below what the coarsest setting takes (one pass per block; AR: one token) is an error
 naming that minimum: the same number that decides, so a budget above it is always accepted.
@@ -21,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kstep.budget.block import BlockRun, coarser_settings, worst_run
-from kstep.params import AUTOREGRESSIVE, BLOCK_DIFFUSION, SELF_SPECULATION, GenerationParams, knob_applies, user_knobs
 from kstep.budget.costs import MARGIN, LoadedCosts, PassCosts
+from kstep.budget.uniform import uniform_seconds
+from kstep.params import GenerationParams, knob_applies, user_knobs
+from kstep.registry import AUTOREGRESSIVE, BLOCK_DIFFUSION, SELF_SPECULATION, UNIFORM_DIFFUSION, BlockRules, Family
 
 __all__ = ["MARGIN", "LoadedCosts", "PassCosts", "Plan", "plan", "predicted_seconds", "run_seconds"]
-
-
 
 @dataclass(frozen=True, slots=True)
 class Plan:
@@ -45,16 +46,16 @@ def run_seconds(costs: Costs, run: BlockRun) -> float:
 
 def predicted_seconds(costs: Costs, kind: str, params: GenerationParams, prompt_len: int,
                       suffix_len: int = 0, passes: int | None = None, max_tokens: int | None = None,
-                      family: str = "", max_positions: int | None = None) -> tuple[float, int]:
+                      rules: BlockRules | None = None, max_positions: int | None = None) -> tuple[float, int]:
     """(seconds, passes) of one decoding at its worst: `passes` in total for a canvas model (default:
-    one per token, or its fixed schedule's)."""
+    one per token, or its fixed schedule's); `rules`: a block model's."""
     n = max_tokens or params.max_tokens
     if kind == AUTOREGRESSIVE:
         seconds = costs.predict(prompt_len, prompt_len) + sum(token_seconds(costs, params, prompt_len + i)
                                                               for i in range(1, n))
         return costs.request_seconds + seconds, n
     if kind == BLOCK_DIFFUSION:
-        run = worst_run(params, prompt_len, family, max_positions)
+        run = worst_run(params, prompt_len, rules, max_positions)
         return run_seconds(costs, run), run.passes
     block = params.block_length
     blocks = max(1, -(-n // block))
@@ -91,15 +92,20 @@ def family_resolver(resolve: Callable, family: str, kind: str) -> Callable:
     return lambda params: resolve(replace(params, **inapplicable))
 
 
-def plan(costs: PassCosts, kind: str, params: GenerationParams, prompt_len: int, suffix_len: int,
-         budget: float, resolve, load: float = 0, family: str = "", max_positions: int | None = None) -> Plan:
-    """The decoding that fits `budget` seconds (module note); `resolve` re-resolves changed params;
-    `load`: seconds per step of the running batch it joins (0 when idle); `family` and
-    `max_positions`: the model's (a block model's decoding depends on them)."""
+def plan(costs: PassCosts, family: Family, params: GenerationParams, prompt_len: int, suffix_len: int,
+         budget: float, resolve, load: float = 0, max_positions: int | None = None,
+         canvas_length: int | None = None) -> Plan:
+    """The decoding of `family` under resolved `params` that fits `budget` seconds, for every kind
+    (module note); `resolve` re-resolves changed params; `load`: seconds per step of the running
+    batch it joins (0 when idle); `max_positions` and `canvas_length`: the model's (a block model's
+    commits and a uniform model's canvases depend on them)."""
+    kind = family.kind_for(params.mode)
     costs = LoadedCosts(costs, load) if load else costs
-    resolve = family_resolver(resolve, family, kind)
+    resolve = family_resolver(resolve, family.name, kind)
     if kind == BLOCK_DIFFUSION:
-        return plan_block(costs, params, prompt_len, budget, resolve, family, max_positions)
+        return plan_block(costs, params, prompt_len, budget, resolve, family.block_rules, max_positions)
+    if kind == UNIFORM_DIFFUSION:
+        return plan_uniform(costs, params, prompt_len, canvas_length, budget, resolve)
     margin = costs.margin()
     given, budget = budget, budget * margin
     worst, passes = predicted_seconds(costs, kind, params, prompt_len, suffix_len)
@@ -131,20 +137,20 @@ def plan(costs: PassCosts, kind: str, params: GenerationParams, prompt_len: int,
                      "takes here")
 
 
-def plan_block(costs: Costs, params: GenerationParams, prompt_len: int, budget: float, resolve, family: str,
+def plan_block(costs: Costs, params: GenerationParams, prompt_len: int, budget: float, resolve, rules: BlockRules,
                max_positions: int | None) -> Plan:
     """A block model's plan: its decoding unchanged when its worst case fits, else the first of the
-    coarser settings (block_budget.coarser_settings, each with fewer passes at worst) that fits."""
+    coarser settings (block.coarser_settings, each with fewer passes at worst) that fits."""
     margin = costs.margin()
     given, budget = budget, budget * margin
-    run = worst_run(params, prompt_len, family, max_positions)
+    run = worst_run(params, prompt_len, rules, max_positions)
     seconds = run_seconds(costs, run)
     if seconds <= budget:
         return Plan(params, seconds, run.passes)
     minimum, fewest = seconds, run.passes
     for alternatives in coarser_settings(params):
         changed = first_taken(resolve, params, alternatives)
-        run = worst_run(changed, prompt_len, family, max_positions)
+        run = worst_run(changed, prompt_len, rules, max_positions)
         if run.passes >= fewest:  # no fewer passes than a setting tried already (e.g. steps = bs)
             continue
         seconds, fewest = run_seconds(costs, run), run.passes
@@ -165,3 +171,20 @@ def first_taken(resolve, params: GenerationParams, alternatives: tuple[dict, ...
             if i == len(alternatives) - 1:
                 raise
     raise RuntimeError("internal: no alternatives")
+
+
+def plan_uniform(costs: Costs, params: GenerationParams, prompt_len: int, canvas_length: int, budget: float,
+                 resolve) -> Plan:
+    """A uniform-diffusion plan: its decoding unchanged when its worst case (every canvas runs
+    max_denoising_steps passes) fits, else the most decoder passes per canvas that fit."""
+    margin = costs.margin()
+    given, budget = budget, budget * margin
+    for steps in range(params.max_denoising_steps, 0, -1):
+        seconds, passes = uniform_seconds(costs, prompt_len, params.max_tokens, canvas_length, steps)
+        if seconds <= budget:
+            if steps == params.max_denoising_steps:
+                return Plan(params, seconds, passes)
+            return Plan(resolve(unresolved(params, max_denoising_steps=steps)), seconds, passes)
+    minimum, _ = uniform_seconds(costs, prompt_len, params.max_tokens, canvas_length, 1)
+    raise ValueError(f"time_budget {given:g} s is below the {minimum / margin:.3g} s even one decoder pass per "
+                     "canvas takes here")

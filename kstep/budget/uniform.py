@@ -1,5 +1,5 @@
-"""Time budgets for uniform diffusion (DiffusionGemma): what a decoding costs from this device's
-fitted pass costs (budget.PassCosts), and the most decoder passes per canvas that fit.
+"""What a uniform-diffusion decoding (DiffusionGemma) costs from this device's fitted pass costs
+(costs.PassCosts); planner.py picks the most decoder passes per canvas that fit, this module only counts.
 
 A decoding of N tokens runs C = ceil(N / L) canvases of L tokens: a prefill of the prompt, then per
 canvas up to K = max_denoising_steps decoder passes of L tokens against [prefix; canvas] (how many
@@ -8,10 +8,7 @@ The planner takes the worst case (K per canvas): when it fits the budget the req
 otherwise K becomes the largest number of passes per canvas that fits (a canvas is committed after
 K passes whether or not it converged).
 """
-from dataclasses import replace
-
-from kstep.budget.planner import LoadedCosts, PassCosts, Plan
-from kstep.params import GenerationParams
+from kstep.budget.costs import LoadedCosts, PassCosts
 
 
 def uniform_seconds(costs: "PassCosts | LoadedCosts", prompt_len: int, n: int, canvas_length: int,
@@ -24,21 +21,3 @@ def uniform_seconds(costs: "PassCosts | LoadedCosts", prompt_len: int, n: int, c
     passes = canvases * steps + canvases - 1
     seconds = costs.request_seconds + costs.predict(prompt_len, prompt_len) + passes * per_pass
     return seconds, 1 + passes
-
-
-def plan_uniform(costs: PassCosts, params: GenerationParams, prompt_len: int, canvas_length: int, budget: float,
-                 resolve, load: float = 0) -> Plan:
-    """The decoding that fits `budget` seconds (module note); `resolve` re-resolves changed params."""
-    costs = LoadedCosts(costs, load) if load else costs
-    margin = costs.margin()
-    given, budget = budget, budget * margin
-    for steps in range(params.max_denoising_steps, 0, -1):
-        seconds, passes = uniform_seconds(costs, prompt_len, params.max_tokens, canvas_length, steps)
-        if seconds <= budget:
-            if steps == params.max_denoising_steps:
-                return Plan(params, seconds, passes)
-            changed = resolve(replace(params, max_denoising_steps=steps, is_resolved=False))
-            return Plan(changed, seconds, passes)
-    minimum, _ = uniform_seconds(costs, prompt_len, params.max_tokens, canvas_length, 1)
-    raise ValueError(f"time_budget {given:g} s is below the {minimum / margin:.3g} s even one decoder pass per "
-                     "canvas takes here")

@@ -7,20 +7,19 @@ AR requests the same way.
 """
 import torch
 
-from kstep.decoding.base import DecodeBatch, Decoder
+from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
 from kstep.decoding.sampling import constrain_outputs, sample_tokens
 from kstep.decoding.unmask import top_request
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, asking, positions_from_padding
-from kstep.runner.prefix_cache import PrefixCache
 
 
 class AutoregressiveDecoder(Decoder):
     """Decodes left-padded prompts (B, P) until every row hits a stop id or max_tokens."""
 
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
-                 prefix_cache: PrefixCache | None = None):
+                 resources: DecoderResources = DecoderResources()):
         prompts, key_mask = batch.prompts, batch.key_mask
         stop_ids, pad_id, generator = batch.stop_ids, batch.pad_id, batch.generator
         self.runner, self.params, self.prompts = runner, params, prompts
@@ -28,7 +27,7 @@ class AutoregressiveDecoder(Decoder):
         self.top = top_request(params, None, self.first_allowed, is_scored=False)  # greedy: the argmax
         # Prefix caching needs every row to hold the same unpadded prompt (one prompt, n samples).
         same_rows = key_mask is None and bool((prompts == prompts[:1]).all())
-        self.prefix_cache = prefix_cache if same_rows else None
+        self.prefix_cache = resources.prefix_cache if same_rows else None
         self.num_cached_tokens = 0
         self.stop_ids, self.pad_id, self.generator = stop_ids, pad_id, generator
         B, P = prompts.shape

@@ -1,7 +1,9 @@
 """The decoder contract: what every family's decoder is to the engine and to `LLM.generate`.
 
-A decoder owns one canvas batch (B rows decoded together with the same params) and is a step
-machine: `next_passes()` describes the forward passes its next step needs (each names the runner
+Every decoder is built the same way, `cls(runner, batch, params, resources)` (decoding/table.py picks
+the class), and a self-speculation wrapper as `wrapper(exact_decoder, num_draft_tokens)` around the
+exact-step interface below (`ExactStep`). A decoder owns one canvas batch (B rows decoded together
+with the same params) and is a step machine: `next_passes()` describes the forward passes its next step needs (each names the runner
 that executes it: the target model, or a speculative draft model), the caller runs them (alone, or
 packed with other requests' passes of the same runner), and `update(logits)` applies the step and
 returns a `StepOutput`. Callers never look inside a decoder.
@@ -12,7 +14,19 @@ from dataclasses import dataclass
 import torch
 
 from kstep.outputs import StepOutput
-from kstep.runner.model_runner import ForwardPass
+from kstep.params import GenerationParams
+from kstep.registry import BlockRules
+from kstep.runner.model_runner import ForwardPass, ModelRunner
+from kstep.runner.prefix_cache import PrefixCache
+
+
+@dataclass(slots=True, frozen=True)
+class DecoderResources:
+    """What a decoder may share with other requests or take from its family: the AR prefix cache, a
+    speculative drafter (a draft model's runner, or "ngram"), a block family's rules."""
+    prefix_cache: PrefixCache | None = None
+    draft: "ModelRunner | str | None" = None
+    rules: BlockRules | None = None
 
 
 @dataclass(slots=True)
@@ -64,6 +78,10 @@ class DecodeBatch:
 class Decoder(ABC):
     nfe: int = 0                       # forward passes of its own model so far (the batch's)
     is_finished: bool = False
+
+    def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
+                 resources: DecoderResources = DecoderResources()):
+        """Start decoding `batch` under resolved `params` on `runner`."""
 
     @abstractmethod
     def next_passes(self) -> list[ForwardPass]:

@@ -26,11 +26,9 @@ predicted with its first token masked, so its tokens may differ from its referen
 first token counts toward the pass's minimum; rows not committing run a scratch block (never
 attended) after theirs. Rows keep their own blocks: every pass is one ragged pass.
 """
-from dataclasses import dataclass
-
 import torch
 
-from kstep.decoding.base import DecodeBatch, Decoder, final_rows, prefix_step_output
+from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, final_rows, prefix_step_output
 from kstep.decoding.block_unmask import open_columns, unmask_block
 from kstep.decoding.sampling import constrain_outputs, exclude_token, sample_tokens
 from kstep.decoding.schedule import num_transfer_tokens
@@ -39,23 +37,18 @@ from kstep.decoding.unmask import confidence_rule, top_request
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, asking
-from kstep.runner.prefix_cache import PrefixCache
 
 DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase
-
-
-@dataclass(slots=True, frozen=True)
-class BlockRules:
-    """What differs between the block-diffusion references."""
-    is_shifted: bool          # Fast-dLLM v2: the token at j from the output at j - 1; a commit gives the next first token
-    steps_capped: bool = False  # LLaDA2: passes per block = min(steps, max_tokens), steps defaulting to the block
 
 
 class BlockDiffusionDecoder(Decoder):
     spare_slots = 0  # KV slots past the canvas, never attended (block_cache.py writes keys it must not keep there)
 
-    def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams, rules: BlockRules,
-                 prefix_cache: PrefixCache | None = None):
+    def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
+                 resources: DecoderResources = DecoderResources()):
+        rules, prefix_cache = resources.rules, resources.prefix_cache
+        if rules is None:
+            raise RuntimeError("internal: a block-diffusion decoder needs its family's BlockRules")
         self.runner, self.params, self.rules = runner, params, rules
         self.mask_id, self.stop_ids, self.generator = batch.mask_id, batch.stop_ids, batch.generator
         self.include_canvas, self.first_allowed = batch.include_canvas, batch.first_allowed

@@ -24,21 +24,20 @@ as an AR model's.
 """
 import torch
 
-from kstep.decoding.base import DecodeBatch, Decoder, final_rows, prefix_step_output
+from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, final_rows, prefix_step_output
 from kstep.decoding.sampling import constrain_outputs, exclude_token, sample_tokens
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.unmask import choose_top, confidence_rule, sampled_probability
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
-from kstep.runner.prefix_cache import PrefixCache
 
 DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase once the prompt is in
 
 
 class CausalContextDecoder(Decoder):
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
-                 prefix_cache: PrefixCache | None = None):
+                 resources: DecoderResources = DecoderResources()):
         self.runner, self.params = runner, params
         self.mask_id, self.stop_ids, self.generator = batch.mask_id, batch.stop_ids, batch.generator
         self.include_canvas, self.first_allowed = batch.include_canvas, batch.first_allowed
@@ -62,7 +61,7 @@ class CausalContextDecoder(Decoder):
         self.schedule: torch.Tensor | None = None  # (B, steps): counts per pass of each row's block
         self.rule = confidence_rule(params.remasking)
         same_rows = key_mask is None and bool((prompts == prompts[:1]).all())
-        self.prefix_cache = prefix_cache if same_rows else None
+        self.prefix_cache = resources.prefix_cache if same_rows else None
         self.num_cached_tokens = 0
         self.is_prefilled, self.columns = False, None
         self.row_nfe = torch.zeros(B, dtype=torch.long, device=device)

@@ -26,7 +26,7 @@ masked forever).
 """
 import torch
 
-from kstep.decoding.base import prefix_step_output
+from kstep.decoding.base import DecoderResources, prefix_step_output
 from kstep.decoding.masked_diffusion import DiffusionDecoder, fill_after_stop
 from kstep.decoding.sampling import constrain_outputs
 from kstep.decoding.unmask import choose_threshold, choose_top, top_request
@@ -82,8 +82,8 @@ class DreamDecoder(DiffusionDecoder):
     masked-diffusion decoder's, the step is Dream's."""
     logits_shift = 1  # its AR parent's shift: position j is predicted by the output at j - 1
 
-    def __init__(self, runner, batch, params):
-        super().__init__(runner, batch, params)
+    def __init__(self, runner, batch, params, resources=DecoderResources()):
+        super().__init__(runner, batch, params, resources)
         p = self.params
         self.steps_per_block = p.steps // p.num_blocks
         self.is_block_sampler = p.cache != "none"  # the schedule's arithmetic was checked by resolve

@@ -32,7 +32,7 @@ serving engine.
 """
 import torch
 
-from kstep.decoding.base import DecodeBatch, Decoder, prefix_step_output
+from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, prefix_step_output
 from kstep.decoding.sampling import constrain_outputs, exclude_token, sample_tokens
 from kstep.decoding.unmask import confidence_rule, make_policy, top_request
 from kstep.outputs import StepOutput
@@ -59,7 +59,8 @@ class DiffusionDecoder(Decoder):
     logits_shift = 0  # a pass reads the block's predictions at [start, end) - shift (Dream's: 1)
     is_block_sampler = False  # Dream's cached sampler: a block's first pass commits its first token
 
-    def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams):
+    def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
+                 resources: DecoderResources = DecoderResources()):
         self.params = p = params
         self.runner, self.mask_id, self.stop_ids, self.generator = runner, batch.mask_id, batch.stop_ids, batch.generator
         self.include_canvas, self.first_allowed = batch.include_canvas, batch.first_allowed

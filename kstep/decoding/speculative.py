@@ -22,12 +22,12 @@ then that sample), which samples the target's distribution too, token by token.
 """
 import torch
 
-from kstep.decoding.base import DecodeBatch, Decoder
+from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
 from kstep.decoding.drafters import NGRAM, SELF, ModelDrafter, NgramDrafter, SelfDrafter
 from kstep.decoding.sampling import constrain_outputs, sample_tokens, sampling_probs
 from kstep.decoding.unmask import top_request
 from kstep.outputs import StepOutput
-from kstep.params import GenerationParams
+from kstep.params import SELF_SPECULATION, GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, asking, positions_from_padding
 
 __all__ = ["SpeculativeDecoder", "accept_drafts", "accept_greedy", "accept_matching", "sampling_probs"]
@@ -70,7 +70,8 @@ class SpeculativeDecoder(Decoder):
     model's runner, "ngram" (lookup, no model) or "self" (the target's bidirectional mode: LinearSpec)."""
 
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
-                 draft: ModelRunner | str | None):
+                 resources: DecoderResources = DecoderResources()):
+        draft = SELF if params.mode == SELF_SPECULATION else resources.draft  # LinearSpec drafts for itself
         if draft is None:
             raise ValueError("num_draft_tokens > 0 needs a draft model (kstep.load(..., draft=...), --draft)")
         prompts, key_mask, stop_ids = batch.prompts, batch.key_mask, batch.stop_ids

@@ -27,7 +27,7 @@ completion to max_tokens; transformers returns whole canvases.
 """
 import torch
 
-from kstep.decoding.base import DecodeBatch, Decoder
+from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
 from kstep.decoding.entropy_bound import accept, entropy, is_stable, process_logits, temperature
 from kstep.models.diffusion_gemma_layers import DECODER, ENCODER
 from kstep.outputs import StepOutput
@@ -36,7 +36,8 @@ from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_p
 
 
 class UniformDiffusionDecoder(Decoder):
-    def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams):
+    def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
+                 resources: DecoderResources = DecoderResources()):
         self.runner, self.params, self.generator = runner, params, batch.generator
         self.stop_ids = batch.stop_ids[:0] if params.ignore_eos else batch.stop_ids
         self.all_stop_ids, self.first_allowed, self.include_canvas = batch.stop_ids, batch.first_allowed, \

@@ -79,6 +79,8 @@ class ModelConfig:
     qk_norm: bool = False            # Qwen3: RMSNorm over each head's q and k before rotary
     rotary_dim: int | None = None    # partial rotary (LLaDA2): only the first rotary_dim dims of a head rotate
     moe: MoEConfig | None = None     # a Mixture-of-Experts model's sparse layers
+    canvas_length: int | None = None  # uniform diffusion (DiffusionGemma): tokens per canvas
+    image_token_id: int | None = None  # a multimodal checkpoint's image placeholder: never in a text prompt
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):

@@ -34,12 +34,12 @@ class DiffusionGemmaConfig(ModelConfig):
     rope_thetas: tuple[float, float] = (1e4, 1e6)        # (sliding, full)
     rotary_fractions: tuple[float, float] = (1.0, 0.25)  # of each head's frequencies that rotate
     softcap: float | None = DEFAULT_SOFTCAP
-    canvas_length: int = 256
     activation: str = "gelu_pytorch_tanh"
-    image_token_id: int | None = None
 
     def __post_init__(self):
         ModelConfig.__post_init__(self)  # (zero-argument super() does not work in slotted dataclasses)
+        if self.canvas_length is None:
+            self.canvas_length = 256
         if not len(self.layer_types) == len(self.layer_head_dims) == len(self.layer_kv_heads) == self.n_layers:
             raise ValueError("layer_types, layer_head_dims and layer_kv_heads need one entry per layer")
         for i, (kind, kv) in enumerate(zip(self.layer_types, self.layer_kv_heads)):

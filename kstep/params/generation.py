@@ -15,15 +15,10 @@ from typing import Literal
 from kstep.params.denoising import (DEFAULT_NUM_DRAFT_TOKENS, SELF_DRAFT, UnmaskPolicy, resolve_block_diffusion,
                                     resolve_diffusion)
 from kstep.params.validation import MAX_SEED, check_int, check_number, check_pass_bound
+from kstep.registry import (AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, FAMILIES, MODES, SELF_SPECULATION,
+                            UNIFORM_DIFFUSION, families_where)
 
-# The kinds of family: masked diffusion over a canvas (LLaDA, Dream), block diffusion (bidirectional
-# inside a block, causal across: Fast-dLLM v2, SDAR), autoregressive; uniform diffusion: canvases
-# that start from random tokens and are refined at every position each pass (DiffusionGemma).
-DIFFUSION, BLOCK_DIFFUSION, AUTOREGRESSIVE = "diffusion", "block-diffusion", "autoregressive"
-UNIFORM_DIFFUSION = "uniform-diffusion"
-GEMMA = ("diffusion_gemma",)
-# A tri-mode model's decodings (Nemotron-Labs-Diffusion), the first its default; Family.modes gives their kinds.
-TRI_MODE, MODES, SELF_SPECULATION = ("nemotron_labs_diffusion",), ("diffusion", "ar", "linear_spec"), "linear_spec"
+TRI_MODE = families_where(lambda f: f.modes is not None)  # the families that take `mode`
 # transformers' DiffusionGemmaGenerationConfig defaults, where the checkpoint's generation_config.json has none
 UNIFORM_DEFAULTS = {"max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
                     "stability_threshold": 1, "confidence_threshold": 0.005}
@@ -32,9 +27,6 @@ CACHE_MODES = ("none", "prefix", "dual")
 # Unmask rules (confidence scores, `decoding/unmask.py`): LLaDA's low_confidence / random, Dream's
 # maskgit_plus (= low_confidence), topk_margin (= margin) and entropy.
 REMASKING_RULES = ("low_confidence", "random", "margin", "entropy")
-# Families whose reference sampler decodes the whole canvas as one block (`exact`), with passes that
-# may unmask nothing (Dream's `diffusion_generate`: steps may exceed the tokens).
-WHOLE_CANVAS_REFERENCE = ("dream",)
 
 
 def knob(default, help: str, families: tuple[str, ...] = (), choices: tuple | None = None,
@@ -87,18 +79,18 @@ class GenerationParams:
     max_post_steps: int | None = knob(None, "token editing: passes after a block's last mask that may still edit it "
                                             "(LLaDA2.1's max_post_steps; default 16)", ("llada2_moe",))
     max_denoising_steps: int | None = knob(None, "decoder passes per canvas at most (default: the checkpoint's "
-                                                 "generation_config, else 48)", GEMMA)
+                                                 "generation_config, else 48)", (UNIFORM_DIFFUSION,))
     entropy_bound: float | None = knob(None, "each pass keeps the sampled tokens of the lowest-entropy positions "
                                              "whose lower entropies sum to at most this, renoises the rest "
-                                             "(default 0.1)", GEMMA)
+                                             "(default 0.1)", (UNIFORM_DIFFUSION,))
     t_max: float | None = knob(None, "temperature of a canvas's first pass; the schedule falls linearly toward "
-                                     "t_min over the steps remaining (default 0.8)", GEMMA)
-    t_min: float | None = knob(None, "where the temperature schedule ends (default 0.4)", GEMMA)
+                                     "t_min over the steps remaining (default 0.8)", (UNIFORM_DIFFUSION,))
+    t_min: float | None = knob(None, "where the temperature schedule ends (default 0.4)", (UNIFORM_DIFFUSION,))
     stability_threshold: int | None = knob(None, "a canvas stops once its argmax equals that of this many passes "
-                                                 "before and it is confident (default 1; 0: always stable)", GEMMA)
+                                                 "before and it is confident (default 1; 0: always stable)", (UNIFORM_DIFFUSION,))
     confidence_threshold: float | None = knob(None, "confident: the canvas's mean entropy (nats) is below this "
                                                     "(default 0.005; 0: never, every canvas runs all its steps)",
-                                              GEMMA)
+                                              (UNIFORM_DIFFUSION,))
     fused_commit: bool = knob(True, "block diffusion: a finished block's keys/values are written by the next "
                                     "block's first pass, not by a pass of their own (one pass fewer per block; "
                                     "exact, or off: the references' commit pass)", (BLOCK_DIFFUSION,))
@@ -202,7 +194,7 @@ class GenerationParams:
             # fixed seed, so it gets one (0) unless the request chose its own.
             seed = 0 if filled.seed is None and filled.temperature == 0 else filled.seed
             return replace(filled, seed=seed, is_resolved=True)
-        return resolve_diffusion(self, family in WHOLE_CANVAS_REFERENCE)
+        return resolve_diffusion(self, FAMILIES[family].whole_canvas_reference)
 
 
 def user_knobs() -> list:

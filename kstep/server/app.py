@@ -24,6 +24,7 @@ from kstep.engine.request import Request as EngineRequest
 from kstep.engine.scheduler import QueueFull
 from kstep.llm import LLM
 from kstep.params.validation import MAX_PASSES_PER_POSITION
+from kstep.params.family_defaults import defaults_for_mode
 from kstep.server.errors import APIError, BodySizeLimit, install_error_handlers, param_named_in
 from kstep.server.metrics import Metrics, ModelMetrics
 from kstep.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -180,7 +181,7 @@ class Routes:
         if (field_name := body.unsupported()) is not None:
             raise APIError(400, f"{field_name} is not supported by kstep", field_name)
         try:
-            defaults = llm.family.defaults_for_mode(route.defaults, body.mode or route.defaults.get("mode"))
+            defaults = defaults_for_mode(llm.family, route.defaults, body.mode or route.defaults.get("mode"))
             params = llm.resolve(body.generation_params(defaults, default_max_tokens))
             stop = body.stop_strings()
         except ValueError as e:
