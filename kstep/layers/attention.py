@@ -20,6 +20,15 @@ from kstep.layers.rotary import apply_rotary
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values, each (B, Hkv, S_max, hd)
 
 
+def allocate_layer_kv(batch: int, length: int, kv_heads: list[int], head_dims: list[int],
+                      device: torch.device, dtype: torch.dtype) -> KVCache:
+    """One sequence's KV cache for its whole life: keys and values per layer, each (B, Hkv_l, S, hd_l).
+    Zeroed, not empty: a masked-out slot that was never written still enters attention's matmul with
+    weight 0, and 0 x NaN from uninitialised memory would be NaN."""
+    return [(torch.zeros(batch, h, length, d, device=device, dtype=dtype),
+             torch.zeros(batch, h, length, d, device=device, dtype=dtype)) for h, d in zip(kv_heads, head_dims)]
+
+
 @dataclass(slots=True)
 class Segment:
     """One sequence's share of a packed pass: `batch` rows of `length` tokens, contiguous from

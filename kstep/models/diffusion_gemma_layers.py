@@ -187,10 +187,3 @@ class Layer(nn.Module):
             sparse = self.post_moe_norm(routed)
         x = x + self.post_ffn_norm(dense + sparse)
         return (x.float() * self.scalars[modes]).to(x.dtype)  # (N, 1) per token: its mode's scalar
-
-
-def allocate_layer_kv(batch: int, length: int, kv_heads: list[int], head_dims: list[int],
-                      device: torch.device, dtype: torch.dtype) -> KVCache:
-    """Zeroed (see ModelRunner.allocate_kv) keys and values per layer, each (B, Hkv_l, S, hd_l)."""
-    return [(torch.zeros(batch, h, length, d, device=device, dtype=dtype),
-             torch.zeros(batch, h, length, d, device=device, dtype=dtype)) for h, d in zip(kv_heads, head_dims)]

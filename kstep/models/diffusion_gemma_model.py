@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kstep.layers.attention import KVCache, Segment
+from kstep.layers.attention import KVCache, Segment, allocate_layer_kv
 from kstep.layers.labels import labelled
 from kstep.layers.mlp import SwiGLU
 from kstep.models.diffusion_gemma import DiffusionGemmaConfig
-from kstep.models.diffusion_gemma_layers import (ACTIVATIONS, DECODER, ENCODER, FULL, SLIDING, Layer, Norm,
-                                                 allocate_layer_kv, key_views, rms)
+from kstep.models.diffusion_gemma_layers import (ACTIVATIONS, DECODER, ENCODER, FULL, SLIDING, Layer, Norm, key_views,
+                                                 rms)
 from kstep.models.transformer import embedding, vocab_parallel_embed
 
 
@@ -37,6 +37,8 @@ def inv_freq(head_dim: int, theta: float, fraction: float, device: torch.device 
 
 
 class DiffusionGemma(nn.Module):
+    always_writes_kv = True  # its attention writes the cache in every pass (models/network.py)
+
     def __init__(self, cfg: DiffusionGemmaConfig):
         super().__init__()
         self.cfg = cfg

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kstep.layers import cpu_decode
-from kstep.layers.attention import Attention, KVCache, Segment
+from kstep.layers.attention import Attention, KVCache, Segment, allocate_layer_kv
 from kstep.layers.labels import labelled
 from kstep.layers.linear import linear
 from kstep.layers.mlp import SwiGLU
@@ -65,6 +65,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    always_writes_kv = False  # a plain pass runs without a cache (models/network.py)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -87,6 +89,12 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attn.fuse()
             layer.mlp.fuse()
+
+    def allocate_kv(self, batch: int, length: int) -> KVCache:
+        """One sequence's cache (tensor parallel: this rank's key/value heads)."""
+        w = self.embed.weight
+        return allocate_layer_kv(batch, length, [layer.attn.n_kv_heads for layer in self.layers],
+                                 [self.cfg.head_dim] * self.cfg.n_layers, w.device, w.dtype)
 
     def packed_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                              segments: list[Segment]) -> torch.Tensor:

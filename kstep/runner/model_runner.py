@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kstep.layers.attention import KVCache, Segment
-from kstep.models.transformer import Transformer
+from kstep.models.network import Network
 from kstep.runner.prefix_cache import PrefixCache
 from kstep.runner.top_tokens import TopRequest, TopTokens, local_stats, merge
 
@@ -49,14 +49,14 @@ class ForwardPass:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Network):
         self.model = model
         self.cfg = model.cfg
         self.device = model.embed.weight.device
         self.dtype = model.embed.weight.dtype
         # Tensor parallel: a pass that asks for top tokens gets them from vocabulary-shard statistics
         # (one small gather) instead of gathered logits. One device: the logits, bit-equal to the references'.
-        self.computes_top_tokens = getattr(model, "tp", None) is not None
+        self.computes_top_tokens = model.tp is not None
 
     def close(self) -> None:
         """Release what the runner holds beyond memory (a tensor-parallel group's ranks); one device: nothing."""
@@ -71,16 +71,10 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def allocate_kv(self, batch: int, length: int) -> KVCache:
-        """Preallocate one sequence's KV cache for its whole life: no per-step allocation or concatenation.
-        Zeroed, not empty: a masked-out slot that was never written still enters attention's matmul
-        with weight 0, and 0 x NaN from uninitialised memory would be NaN."""
+        """Preallocate one sequence's KV cache for its whole life: no per-step allocation or concatenation."""
         if length > self.cfg.max_positions:
             raise ValueError(f"prompt + max_tokens ({length}) exceeds the model's context of {self.cfg.max_positions}")
-        if hasattr(self.model, "allocate_kv"):  # layers of different geometry (DiffusionGemma)
-            return self.model.allocate_kv(batch, length)
-        shape = (batch, self.model.layers[0].attn.n_kv_heads, length, self.cfg.head_dim)  # this rank's heads
-        return [(torch.zeros(shape, device=self.device, dtype=self.dtype),
-                 torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in range(self.cfg.n_layers)]
+        return self.model.allocate_kv(batch, length)
 
     def copy_kv(self, src: KVCache, dst: KVCache, src_rows: list[int], dst_rows: list[int]) -> None:
         """Copy rows of one KV cache into rows of another of the same length (every layer, every slot):
@@ -221,7 +215,7 @@ class ModelRunner:
         """Per pass, its logits or (where it asks) its top tokens: one LM-head matmul over every
         pass's rows on this rank's vocabulary slice, then one gather of the logits passes' columns
         and one of the top-token passes' statistics (rank 0 gets them; the others get [])."""
-        model, group = self.model, getattr(self.model, "tp", None)
+        model, group = self.model, self.model.tp
         gather = (lambda x: x) if group is None else group.gather_last_dim
         local = model.local_logits(torch.cat([w.reshape(-1, w.shape[-1]) for w in wanted]))  # (R, V / N)
         chunks = local.split([w.shape[0] * w.shape[1] for w in wanted])
@@ -246,7 +240,7 @@ class ModelRunner:
     def whole_pass(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of a plain pass over ids (B, T) at positions (B, T), as `model(ids, positions)` (with
         a fresh cache for a model whose attention always writes one, as its forward makes: DiffusionGemma)."""
-        kv = self.allocate_kv(*ids.shape) if hasattr(self.model, "allocate_kv") else None
+        kv = self.allocate_kv(*ids.shape) if self.model.always_writes_kv else None
         return self.logits(ForwardPass(ids, positions, None, 0, ids.shape[1], "full", self, kv))
 
     @torch.inference_mode()
