@@ -110,7 +110,8 @@ class LLM:
         if unset and not params.is_resolved:
             params = replace(params, **unset)
         has_draft = self.draft is not None or params.mode == SELF_SPECULATION  # LinearSpec: drafts for itself
-        return params.resolve(self.cfg.family, kind, has_draft, self.cfg.canvas_length)
+        return params.resolve(self.cfg.family, kind, has_draft, self.cfg.canvas_length,
+                              self.family.whole_canvas_reference)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of one prompt, checked against the vocabulary and the mask id."""

@@ -20,18 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
+from kstep.kinds import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, MODES, SELF_SPECULATION, UNIFORM_DIFFUSION
 from kstep.models import (diffusion_gemma, dream, fast_dllm_v2, llada, llada2_moe, llada_moe, llama,
                           nemotron_labs_diffusion, sdar)
 from kstep.models.config import ModelConfig
 from kstep.models.diffusion_gemma_model import DiffusionGemma
 
-# The kinds of family: masked diffusion over a canvas (LLaDA, Dream), block diffusion (bidirectional
-# inside a block, causal across: Fast-dLLM v2, SDAR), autoregressive; uniform diffusion: canvases
-# that start from random tokens and are refined at every position each pass (DiffusionGemma).
-DIFFUSION, BLOCK_DIFFUSION, AUTOREGRESSIVE = "diffusion", "block-diffusion", "autoregressive"
-UNIFORM_DIFFUSION = "uniform-diffusion"
-# A tri-mode model's decodings (Nemotron-Labs-Diffusion), the first its default; Family.modes gives their kinds.
-MODES, SELF_SPECULATION = ("diffusion", "ar", "linear_spec"), "linear_spec"
+__all__ = ["AUTOREGRESSIVE", "BLOCK_DIFFUSION", "DIFFUSION", "FAMILIES", "MODES", "SELF_SPECULATION",
+           "UNIFORM_DIFFUSION", "BlockRules", "Family", "family_for"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -95,11 +91,6 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            BlockRules(is_shifted=False, has_causal_context=True),
            modes=dict(zip(MODES, (BLOCK_DIFFUSION, AUTOREGRESSIVE, AUTOREGRESSIVE), strict=True))),
 )}
-
-
-def families_where(test: Callable[[Family], bool]) -> tuple[str, ...]:
-    """The names of the families that pass `test` (a knob's families, from the families' own facts)."""
-    return tuple(name for name, family in FAMILIES.items() if test(family))
 
 
 def family_for(raw: dict) -> Family:

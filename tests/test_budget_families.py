@@ -14,6 +14,7 @@ import kstep
 from kstep.budget.planner import MARGIN, PassCosts
 from kstep.budget.costs import WINDOW
 from kstep.random_checkpoint import write_random_checkpoint
+from kstep.runner.pass_output import PassOutput
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +44,11 @@ def forced_worst(llm, editing: bool):
     def execute(passes):
         calls[0] += 1
         out = []
-        for logits in real(passes):
-            forced = torch.randn(logits.shape, generator=noise) * 0.01
+        for output in real(passes):
+            forced = torch.randn(output.logits.shape, generator=noise) * 0.01
             if editing:
                 forced[..., 100 + calls[0] % 2] = 40.0
-            out.append(forced)
+            out.append(PassOutput.of_logits(forced))
         return out
 
     llm.runner.execute = execute

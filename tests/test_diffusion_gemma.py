@@ -9,6 +9,7 @@ import torch
 import kstep
 from kstep.decoding.loop import decode_alone
 from kstep.models.diffusion_gemma_layers import DECODER
+from kstep.runner.pass_output import PassOutput
 
 from gemma_reference import STOP_IDS, hf_forward, hf_generate, write_gemma_checkpoint  # noqa: I001
 
@@ -182,7 +183,7 @@ def test_seeded_sampling_matches_transformers_pass_by_pass_on_its_logits(peaky, 
                 assert (p.soft_embeds is None) == (sc_logits is None)
                 if sc_logits is not None:
                     assert torch.equal(p.soft_embeds, llm.model.soft_embedding(sc_logits))
-                step = decoder.update([logits])
+                step = decoder.update([PassOutput.of_logits(logits)])
             committed += step.new_token_ids[0]
     assert next(calls, None) is None
     assert committed == hf_tokens(out.sequences[:, 11:], 16)[0]

@@ -1,24 +1,31 @@
 """Top tokens from vocabulary shards (kstep/runner/top_tokens.py): the merge of shard-local
 statistics equals the dense formulas (argmax with the mask excluded, its probability, the top-2
-margin, the entropy) with uneven shards, ties and an empty shard; and every decoder's greedy path
-gives the same tokens from top tokens as from logits (one device, the runner made to compute them:
-what a tensor-parallel runner returns)."""
+margin, the entropy) with uneven shards, ties and an empty shard; a PassOutput gives the same views
+and moves positions the same way whichever it holds (runner/pass_output.py); and every decoder's
+greedy path gives the same tokens from top tokens as from logits (one device, the runner made to
+compute them: what a tensor-parallel runner returns)."""
 import pytest
 import torch
 
 import kstep
 from kstep.random_checkpoint import write_random_checkpoint
-from kstep.runner.top_tokens import TopRequest, TopTokens, local_stats, merge
+from kstep.decoding.unmask import entropy, low_confidence, margin
+from kstep.runner.pass_output import PassOutput
+from kstep.runner.top_tokens import TopRequest, local_stats, merge
 
 SHARDS = [5, 11, 0, 7]  # uneven, one empty (a rank of vocabulary padding only)
 
 
-def sharded(logits: torch.Tensor, request: TopRequest) -> TopTokens:
+def sharded(logits: torch.Tensor, request: TopRequest) -> PassOutput:
     stats, start = [], 0
     for width in SHARDS:
         stats.append(local_stats(logits[:, start:start + width], start, request))
         start += width
-    return merge(torch.stack(stats, 1))
+    return PassOutput.of_top_tokens(merge(torch.stack(stats, 1)), request.exclude_id)
+
+
+def column(out: PassOutput, name: str) -> torch.Tensor:
+    return out.read(name, lambda logits: pytest.fail("top tokens read as logits"))
 
 
 @pytest.mark.parametrize("exclude", [None, 0, 7, 22])  # none, in the first, the second, the last shard
@@ -36,20 +43,33 @@ def test_the_merge_equals_the_dense_formulas(exclude):
         proposal[:, exclude] = float("-inf")
     probs = logits.softmax(-1)
     ids = proposal.argmax(-1)
-    assert torch.equal(got.ids, ids)
-    assert got.ids[1] == (2 if exclude != 2 else 9) and got.ids[2] == 12 and got.ids[3] == (0 if exclude != 0 else 1)
-    torch.testing.assert_close(got.prob, probs.gather(-1, ids[:, None]).squeeze(-1))
+    got_ids = column(got, "ids")
+    assert torch.equal(got_ids, ids)
+    assert got_ids[1] == (2 if exclude != 2 else 9) and got_ids[2] == 12 and got_ids[3] == (0 if exclude != 0 else 1)
+    torch.testing.assert_close(column(got, "prob"), probs.gather(-1, ids[:, None]).squeeze(-1))
     top2 = probs.topk(2, -1).values
-    torch.testing.assert_close(got.margin, top2[:, 0] - top2[:, 1])
-    assert got.margin[1] == 0 and got.margin[3] == 0  # tied top two
-    torch.testing.assert_close(got.neg_entropy, (probs * logits.log_softmax(-1)).sum(-1))
+    torch.testing.assert_close(column(got, "margin"), top2[:, 0] - top2[:, 1])
+    assert column(got, "margin")[1] == 0 and column(got, "margin")[3] == 0  # tied top two
+    torch.testing.assert_close(column(got, "neg_entropy"), (probs * logits.log_softmax(-1)).sum(-1))
 
 
-def test_positions_index_as_logits_do():
-    tops = sharded(torch.randn(6, sum(SHARDS)), TopRequest()).view(2, 3, -1)
-    picked = tops.gather(1, torch.tensor([[2], [0]])[:, :, None].expand(-1, -1, tops.shape[-1]))
-    assert isinstance(picked, TopTokens) and isinstance(tops[:, -1], TopTokens)
-    assert torch.equal(picked.ids.squeeze(1), torch.stack([tops.ids[0, 2], tops.ids[1, 0]]))
+def test_a_pass_output_gives_the_same_views_and_positions_from_logits_and_top_tokens():
+    torch.manual_seed(1)
+    logits = torch.randn(6, sum(SHARDS)) * 3
+    dense = PassOutput.of_logits(logits).excluding(4).view(2, 3)
+    tops = sharded(logits, TopRequest(4, needs_margin=True, needs_entropy=True)).view(2, 3)
+    ids = dense.argmax()
+    assert torch.equal(tops.argmax(), ids) and not bool((ids == 4).any())
+    raw = PassOutput.of_logits(logits).view(2, 3)  # the rules score the unexcluded logits
+    for rule in (low_confidence, margin, entropy):
+        torch.testing.assert_close(rule(tops, ids, None), rule(raw, ids, None))
+    index, columns = torch.tensor([[2, 0], [1, 1]]), torch.tensor([3, 0, 4])
+    for moved in (lambda o: o.gather(index), lambda o: o[:, -1], lambda o: o.spread(5, columns),
+                  lambda o: o[:, :2].scatter(4, index + 1)):
+        assert torch.equal(moved(tops).argmax(), moved(dense).argmax())
+        assert moved(tops).shape == moved(dense).shape
+    with pytest.raises(RuntimeError, match="read the logits of a top-token pass"):
+        tops.logits
 
 
 FAMILIES = {  # greedy settings that reach every rule a decoder scores with

@@ -8,11 +8,12 @@ AR requests the same way.
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
-from kstep.decoding.sampling import constrain_outputs, sample_tokens
+from kstep.decoding.sampling import constrain, pick_tokens
 from kstep.decoding.unmask import top_request
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, asking, positions_from_padding
+from kstep.runner.pass_output import PassOutput
 
 
 class AutoregressiveDecoder(Decoder):
@@ -61,15 +62,14 @@ class AutoregressiveDecoder(Decoder):
         return self.runner.causal_pass(self.out[:, t - 1:t], position, self.key_mask,
                                        self.prompts.shape[1] + t - 1, self.kv)
 
-    def update(self, logits: list[torch.Tensor]) -> StepOutput:
-        """Sample the next token from the last position's logits (B, 1, V)."""
+    def update(self, outputs: list[PassOutput]) -> StepOutput:
+        """Sample the next token from the last position's outputs (B, 1)."""
         p = self.params
-        [logits] = logits
+        [out] = outputs
         if self.num_generated == 0 and self.prefix_cache is not None:
             self.prefix_cache.store(self.prompts[0].tolist(), self.kv)
-        logits = logits[:, -1:]
-        logits = constrain_outputs(logits, self.num_generated, self.stop_ids, p.min_tokens, self.first_allowed)
-        token = sample_tokens(logits[:, -1], p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
+        out = constrain(out[:, -1:], self.num_generated, self.stop_ids, p.min_tokens, self.first_allowed)
+        token = pick_tokens(out[:, -1], p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
         token = torch.where(self.finished, self.pad_id, token)
         self.out[:, self.num_generated] = token
         self.num_generated, self.nfe = self.num_generated + 1, self.nfe + 1

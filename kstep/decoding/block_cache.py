@@ -19,6 +19,7 @@ from kstep.decoding.block_diffusion import COMMIT, DENOISE, DONE, BlockDiffusion
 from kstep.decoding.block_unmask import open_columns
 from kstep.outputs import StepOutput
 from kstep.runner.model_runner import ForwardPass
+from kstep.runner.pass_output import PassOutput
 
 
 class BlockCacheDecoder(BlockDiffusionDecoder):
@@ -74,26 +75,23 @@ class BlockCacheDecoder(BlockDiffusionDecoder):
         spare = self.kv[0][0].shape[2] - 1
         return torch.where(keep[:, None] & ~inside, spare, index)
 
-    def update(self, logits: list[torch.Tensor]) -> StepOutput:
+    def update(self, outputs: list[PassOutput]) -> StepOutput:
         if not self.sub_pass:
             ran = self.ran_whole.clone()
-            out = super().update(logits)
+            step = super().update(outputs)
             # rows that ran their whole block now have its keys cached (a new block's first pass included)
             self.has_block_cache |= ran & (self.phase == DENOISE)
-            return out
-        [logits] = logits  # (B, sub, V): the sub-block's outputs
+            return step
+        [out] = outputs  # (B, sub): the sub-block's outputs
         self.nfe += 1
         active = self.phase != DONE
         self.row_nfe += active
-        B, sub, V = logits.shape
-        bs = self.params.block_length
+        sub = out.shape[1]
         # shifted (Fast-dLLM v2): position lo + j reads the output at lo + j - 1, inside the sub-block;
         # the sub-block's first position (filled: else the pass would have run the whole block) its own
-        source = (torch.arange(sub, device=logits.device) - 1).clamp(min=0)
-        block_logits = logits.new_zeros(B, bs, V)
-        columns = self.lo[:, None] + torch.arange(sub, device=logits.device)  # (B, sub)
-        block_logits.scatter_(1, columns[:, :, None].expand(-1, -1, V), logits[:, source])
-        self._denoise(block_logits, active & (self.phase == DENOISE))
+        source = (torch.arange(sub, device=out.device) - 1).clamp(min=0)
+        columns = self.lo[:, None] + torch.arange(sub, device=out.device)  # (B, sub)
+        self._denoise(out[:, source].scatter(self.params.block_length, columns), active & (self.phase == DENOISE))
         self._update_phases()
         return self._output()
 

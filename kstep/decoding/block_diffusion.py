@@ -30,13 +30,14 @@ import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, final_rows, prefix_step_output
 from kstep.decoding.block_unmask import open_columns, unmask_block
-from kstep.decoding.sampling import constrain_outputs, exclude_token, sample_tokens
+from kstep.decoding.sampling import constrain
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.token_editing import TokenEditing
 from kstep.decoding.unmask import confidence_rule, top_request
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, asking
+from kstep.runner.pass_output import PassOutput
 
 DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase
 
@@ -156,37 +157,35 @@ class BlockDiffusionDecoder(Decoder):
         """This pass carries the commit of some row's finished block (it runs two blocks per row)."""
         return self.fused and bool((self.phase == COMMIT).any())
 
-    def update(self, logits: list[torch.Tensor]) -> StepOutput:
-        [logits] = logits
+    def update(self, outputs: list[PassOutput]) -> StepOutput:
+        [out] = outputs
         self.nfe += 1
         if self.needs_prefill:
-            self._after_prefill(logits)
+            self._after_prefill(out)
             if self.fused_prefill:  # each row's block sits at its own offset in the window of 2 * bs
                 active, bs = self.phase != DONE, self.params.block_length
                 offset = self.pads + self.block_starts - (self.prompt_width - bs)  # (B,) in [1, bs]
                 source = offset[:, None] + torch.arange(bs, device=offset.device)
                 self.row_nfe += active & ~(self.prompt_lengths >= bs)
-                self._denoise(logits.gather(1, source[:, :, None].expand(-1, -1, logits.shape[-1])), active)
+                self._denoise(out.gather(source), active)
         else:
             active = self.phase != DONE
             self.row_nfe += active
             bs = self.params.block_length
-            if self.columns is not None:  # back to (B, width, V); the columns not read stay zero
-                width = 2 * bs if self._fuses_commit() else bs
-                full = logits.new_zeros(logits.shape[0], width, logits.shape[-1])
-                logits = full.index_copy_(1, self.columns, logits)
-            if logits.shape[1] == 2 * bs:  # fused: committing rows run [finished; next], the rest [block; scratch]
+            if self.columns is not None:  # back to (B, width); the columns not read stay zero
+                out = out.spread(2 * bs if self._fuses_commit() else bs, self.columns)
+            if out.shape[1] == 2 * bs:  # fused: committing rows run [finished; next], the rest [block; scratch]
                 committing = active & (self.phase == COMMIT)
-                self._commit(logits[:, bs - 1], committing)
-                self._denoise(self._block_logits(logits, committing.long()), active & (self.phase == DENOISE),
+                self._commit(out[:, bs - 1], committing)
+                self._denoise(self._block_outputs(out, committing.long()), active & (self.phase == DENOISE),
                               already=committing.long() if self.rules.is_shifted else None)
             else:
-                self._denoise(self._block_logits(logits, torch.zeros_like(self.phase)), active & (self.phase == DENOISE))
-                self._commit(logits[:, -1], active & (self.phase == COMMIT))
+                self._denoise(self._block_outputs(out, torch.zeros_like(self.phase)), active & (self.phase == DENOISE))
+                self._commit(out[:, -1], active & (self.phase == COMMIT))
         self._update_phases()
         return self._output()
 
-    def _after_prefill(self, logits: torch.Tensor) -> None:
+    def _after_prefill(self, out: PassOutput) -> None:
         """The prompt's whole blocks are cached. A shifted model's first token, when the prompt ends
         on a block boundary, is the prefill's last output (an AR step, as Fast-dLLM v2)."""
         self.needs_prefill = False
@@ -197,30 +196,30 @@ class BlockDiffusionDecoder(Decoder):
         self.row_nfe += had_blocks
         if self.rules.is_shifted:
             on_boundary = had_blocks & (self.prompt_lengths % bs == 0)
-            self._write_first_token(logits[:, -1], on_boundary, self.prompt_lengths)
+            self._write_first_token(out[:, -1], on_boundary, self.prompt_lengths)
 
-    def _write_first_token(self, last_logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """Argmax of `last_logits` (B, V) at `positions` (B,) for `rows`, if within max_tokens."""
-        proposal = constrain_outputs(last_logits[:, None], (positions - self.prompt_lengths)[:, None], self.stop_ids,
-                                     self.params.min_tokens, self.first_allowed)[:, 0]
-        token = sample_tokens(exclude_token(proposal, self.mask_id), 0)
+    def _write_first_token(self, last: PassOutput, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Argmax of the last outputs `last` (B,) at `positions` (B,) for `rows`, if within max_tokens."""
+        proposal = constrain(last.view(-1, 1), (positions - self.prompt_lengths)[:, None], self.stop_ids,
+                             self.params.min_tokens, self.first_allowed)[:, 0]
+        token = proposal.excluding(self.mask_id).argmax()
         in_range = rows & (positions - self.prompt_lengths < self.params.max_tokens)
         slot = (self.pads + positions).clamp(max=self.canvas.shape[1] - 1)
         current = self.canvas.gather(1, slot[:, None]).squeeze(1)
         self.canvas.scatter_(1, slot[:, None], torch.where(in_range, token, current)[:, None])
 
-    def _block_logits(self, logits: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
-        """(B, bs, V): the logits that predict each row's current block, which starts at column
-        half[b] * bs of the pass's logits (B, T, V). Shifted: the token at j from the output at j - 1
+    def _block_outputs(self, out: PassOutput, half: torch.Tensor) -> PassOutput:
+        """(B, bs): the outputs that predict each row's current block, which starts at column
+        half[b] * bs of the pass's outputs (B, T). Shifted: the token at j from the output at j - 1
         (a column 0 with no output before it in the pass is never masked: it keeps its own)."""
         bs = self.params.block_length
-        source = half[:, None] * bs + torch.arange(bs, device=logits.device)  # (B, bs)
+        source = half[:, None] * bs + torch.arange(bs, device=out.device)  # (B, bs)
         if self.rules.is_shifted:
             source = (source - 1).clamp(min=0)
-        return logits.gather(1, source[:, :, None].expand(-1, -1, logits.shape[-1]))
+        return out.gather(source)
 
-    def _denoise(self, logits: torch.Tensor, rows: torch.Tensor, already: torch.Tensor | None = None) -> None:
-        """One unmask step for `rows` given their block's logits (B, bs, V); `already` (B,): tokens this
+    def _denoise(self, out: PassOutput, rows: torch.Tensor, already: torch.Tensor | None = None) -> None:
+        """One unmask step for `rows` given their block's outputs (B, bs); `already` (B,): tokens this
         pass has written in the block (a fused commit's first token), counted toward the minimum."""
         if not bool(rows.any()):
             return
@@ -229,26 +228,25 @@ class BlockDiffusionDecoder(Decoder):
         index = starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
         block = self.canvas.gather(1, index)
         positions = self.block_starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
-        logits = constrain_outputs(logits, positions - self.prompt_lengths[:, None], self.stop_ids, p.min_tokens,
-                                   self.first_allowed)
+        out = constrain(out, positions - self.prompt_lengths[:, None], self.stop_ids, p.min_tokens, self.first_allowed)
         count = torch.ones_like(self.passes_in_block) if self.schedule is None else \
             self.schedule[self.passes_in_block.clamp(max=len(self.schedule) - 1)]
         if already is not None:
             count = (count - already).clamp(min=0)
         editable = (block != self.mask_id) & (positions >= self.prompt_lengths[:, None])  # token editing's
-        tokens, chosen = unmask_block(block, logits, rows, count, p, self.mask_id, self.rule, self.generator,
+        tokens, chosen = unmask_block(block, out, rows, count, p, self.mask_id, self.rule, self.generator,
                                       self.editing, editable)
         self.canvas.scatter_(1, index, torch.where(chosen, tokens, block))
         self.passes_in_block += rows
 
-    def _commit(self, last_logits: torch.Tensor, rows: torch.Tensor) -> None:
+    def _commit(self, last: PassOutput, rows: torch.Tensor) -> None:
         """This pass wrote the finished block's exact keys/values; the next block begins (its first
-        token from the finished block's last output `last_logits` (B, V) when shifted)."""
+        token from the finished block's last output `last` (B,) when shifted)."""
         if not bool(rows.any()):
             return
         self._next_block(rows)
         if self.rules.is_shifted:
-            self._write_first_token(last_logits, rows, self.block_starts)
+            self._write_first_token(last, rows, self.block_starts)
 
     def _next_block(self, rows: torch.Tensor) -> None:
         bs = self.params.block_length

@@ -19,10 +19,11 @@ import torch
 from kstep.decoding.base import Decoder, prefix_step_output
 from kstep.decoding.block_diffusion import COMMIT, DENOISE, DONE, BlockDiffusionDecoder
 from kstep.decoding.block_unmask import block_scores, choose_in_block
-from kstep.decoding.sampling import constrain_outputs
+from kstep.decoding.sampling import constrain
 from kstep.decoding.self_speculation import count_breaks
 from kstep.outputs import StepOutput
 from kstep.runner.model_runner import ForwardPass, asking
+from kstep.runner.pass_output import PassOutput
 
 
 class BlockSelfSpeculativeDecoder(Decoder):
@@ -70,9 +71,9 @@ class BlockSelfSpeculativeDecoder(Decoder):
                                                kind="block", block_size=bs)
         return asking([forward], ex.top)[0]
 
-    def update(self, logits: list[torch.Tensor]) -> StepOutput:
+    def update(self, outputs: list[PassOutput]) -> StepOutput:
         ex, self.nfe = self.exact, self.nfe + 1
-        outputs = dict(zip(self.kinds, logits, strict=True))
+        outputs = dict(zip(self.kinds, outputs, strict=True))
         if ex.needs_prefill:  # the prompt's blocks into the cache (and a shifted model's first token)
             out = ex.update([outputs["exact"]])
             self.is_finished = ex.is_finished
@@ -90,16 +91,16 @@ class BlockSelfSpeculativeDecoder(Decoder):
         return prefix_step_output(self, ex._settled(), ex.lengths, ex.mask_id, ex.stop_ids, ex.row_nfe,
                                   ex.include_canvas, finished=ex.phase == DONE, canvas=ex.completions())
 
-    def _exact_pass(self, logits: torch.Tensor) -> None:
-        """The exact sampler's pass (B, bs, V): commits for the rows that finished a block, and the
+    def _exact_pass(self, out: PassOutput) -> None:
+        """The exact sampler's pass (B, bs): commits for the rows that finished a block, and the
         predictions of each block that starts (its prefix copied to the row's draft caches)."""
         ex, commit, starting = self.exact, self.committing, self.starting
         ex.row_nfe += commit | starting
-        ex._commit(logits[:, -1], commit)
+        ex._commit(out[:, -1], commit)
         if not bool(starting.any()):
             return
         rows = torch.arange(len(starting), device=starting.device)
-        tokens, confidence = self._scores(ex._block_logits(logits, torch.zeros_like(ex.phase)), rows)
+        tokens, confidence = self._scores(ex._block_outputs(out, torch.zeros_like(ex.phase)), rows)
         self.tokens[starting], self.confidence[starting] = tokens[starting], confidence[starting]
         self.has_pred |= starting
         K = self.num_draft
@@ -115,14 +116,13 @@ class BlockSelfSpeculativeDecoder(Decoder):
         ex = self.exact
         return (ex.pads + ex.block_starts)[rows, None] + torch.arange(ex.params.block_length, device=rows.device)
 
-    def _scores(self, block_logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and confidence (R, bs) from logits (R, bs, V) predicting the blocks of batch rows `rows`."""
+    def _scores(self, block: PassOutput, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and confidence (R, bs) from outputs (R, bs) predicting the blocks of batch rows `rows`."""
         ex, p = self.exact, self.exact.params
         positions = ex.block_starts[rows, None] + torch.arange(p.block_length, device=rows.device)
         allowed = None if ex.first_allowed is None else ex.first_allowed[rows]
-        block_logits = constrain_outputs(block_logits, positions - ex.prompt_lengths[rows, None], ex.stop_ids,
-                                         p.min_tokens, allowed)
-        tokens, _, confidence = block_scores(block_logits, p, ex.mask_id, ex.rule, ex.generator)
+        block = constrain(block, positions - ex.prompt_lengths[rows, None], ex.stop_ids, p.min_tokens, allowed)
+        tokens, _, confidence = block_scores(block, p, ex.mask_id, ex.rule, ex.generator)
         return tokens, confidence
 
     def _step(self, blocks: torch.Tensor, tokens: torch.Tensor, confidence: torch.Tensor, passes: torch.Tensor,
@@ -154,15 +154,14 @@ class BlockSelfSpeculativeDecoder(Decoder):
         self.chain, self.in_chain = torch.stack(chain, 1), torch.stack(in_chain, 1)  # (B, K, bs), (B, K)
         self.verified = self.in_chain  # a draft without masks runs as its block's commit
 
-    def _verify(self, logits: torch.Tensor) -> None:
+    def _verify(self, out: PassOutput) -> None:
         """Keep each row's drafts while the next one is the exact step from the one before; its block
         becomes the last kept one, whose predictions start its next chain."""
         ex, (B, K, bs) = self.exact, self.chain.shape
-        raw = logits
-        rows = torch.arange(B, device=logits.device).repeat_interleave(K)  # each pass row's batch row
-        tokens, confidence = self._scores(ex._block_logits(logits, torch.zeros_like(rows)), rows)
+        rows = torch.arange(B, device=out.device).repeat_interleave(K)  # each pass row's batch row
+        tokens, confidence = self._scores(ex._block_outputs(out, torch.zeros_like(rows)), rows)
         tokens, confidence = tokens.view(B, K, bs), confidence.view(B, K, bs)
-        passes = ex.passes_in_block[:, None] + torch.arange(1, K + 1, device=logits.device)  # (B, K)
+        passes = ex.passes_in_block[:, None] + torch.arange(1, K + 1, device=out.device)  # (B, K)
         exact_next = self._step(self.chain.reshape(-1, bs), tokens.reshape(-1, bs), confidence.reshape(-1, bs),
                                 passes.reshape(-1), self.verified.reshape(-1)).view(B, K, bs)
         agrees = (exact_next[:, :-1] == self.chain[:, 1:]).all(-1) & self.in_chain[:, 1:] & \
@@ -183,7 +182,7 @@ class BlockSelfSpeculativeDecoder(Decoder):
         if bool(done.any()):
             src = (b * K + kept)[done].tolist()
             ex.runner.copy_kv(self.draft_kv, ex.kv, src, b[done].tolist())
-            ex._commit(raw[b * K + kept][:, -1], done)  # the next block, and a shifted model's first token
+            ex._commit(out[b * K + kept][:, -1], done)  # the next block, and a shifted model's first token
         more = live & ~done & ~finished  # its last kept draft still has masks: its predictions go on
         self.tokens = torch.where(more[:, None], tokens[b, kept], self.tokens)
         self.confidence = torch.where(more[:, None], confidence[b, kept], self.confidence)

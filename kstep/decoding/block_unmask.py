@@ -10,10 +10,11 @@ tempered, top-k/top-p filtered distribution it was drawn from, as all three refe
 """
 import torch
 
-from kstep.decoding.sampling import exclude_token, sample_tokens
+from kstep.decoding.sampling import pick_tokens
 from kstep.decoding.token_editing import TokenEditing
 from kstep.decoding.unmask import ConfidenceRule, choose_top, sampled_probability
 from kstep.params import GenerationParams
+from kstep.runner.pass_output import PassOutput
 
 
 def open_columns(block: torch.Tensor, mask_id: int, sub_block: int) -> torch.Tensor:
@@ -25,14 +26,14 @@ def open_columns(block: torch.Tensor, mask_id: int, sub_block: int) -> torch.Ten
     return (torch.arange(block.shape[1], device=block.device) // sub_block) == first[:, None]
 
 
-def block_scores(logits: torch.Tensor, params: GenerationParams, mask_id: int, rule: ConfidenceRule,
+def block_scores(out: PassOutput, params: GenerationParams, mask_id: int, rule: ConfidenceRule,
                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits (B, bs, V) predicting a block -> each position's token, its probability and its
+    """A pass's outputs (B, bs) predicting a block -> each position's token, its probability and its
     confidence (B, bs) (the probability, or another remasking rule's score)."""
-    proposal = exclude_token(logits, mask_id)  # a masked position must become a token
-    tokens = sample_tokens(proposal, params.temperature, generator, params.top_k, params.top_p)  # (B, bs)
-    probs = sampled_probability(logits, tokens, params)  # (B, bs)
-    confidence = probs if params.remasking == "low_confidence" else rule(logits, tokens, generator).float()
+    proposal = out.excluding(mask_id)  # a masked position must become a token
+    tokens = pick_tokens(proposal, params.temperature, generator, params.top_k, params.top_p)  # (B, bs)
+    probs = sampled_probability(out, tokens, params)  # (B, bs)
+    confidence = probs if params.remasking == "low_confidence" else rule(out, tokens, generator).float()
     return tokens, probs, confidence
 
 
@@ -50,13 +51,13 @@ def choose_in_block(block: torch.Tensor, confidence: torch.Tensor, rows: torch.T
     return chosen & is_masked
 
 
-def unmask_block(block: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, count: torch.Tensor,
+def unmask_block(block: torch.Tensor, out: PassOutput, rows: torch.Tensor, count: torch.Tensor,
                  params: GenerationParams, mask_id: int, rule: ConfidenceRule, generator: torch.Generator | None,
                  editing: TokenEditing | None, editable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """block (B, bs) ids, logits (B, bs, V) predicting them, `rows` (B,) that step, `count` (B,) the
+    """block (B, bs) ids, a pass's outputs (B, bs) predicting them, `rows` (B,) that step, `count` (B,) the
     schedule's minimum, `editable` (B, bs) what token editing may replace -> (tokens (B, bs),
     chosen (B, bs)): where the block takes `tokens`."""
-    tokens, probs, confidence = block_scores(logits, params, mask_id, rule, generator)
+    tokens, probs, confidence = block_scores(out, params, mask_id, rule, generator)
     chosen = choose_in_block(block, confidence, rows, count, params, mask_id)
     if editing is not None:
         chosen |= editing.edits(block, tokens, probs, block == mask_id, editable, rows)

@@ -25,12 +25,13 @@ as an AR model's.
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, final_rows, prefix_step_output
-from kstep.decoding.sampling import constrain_outputs, exclude_token, sample_tokens
+from kstep.decoding.sampling import constrain, pick_tokens
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.unmask import choose_top, confidence_rule, sampled_probability
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
+from kstep.runner.pass_output import PassOutput
 
 DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase once the prompt is in
 
@@ -94,38 +95,36 @@ class CausalContextDecoder(Decoder):
         read[-1] |= bool((self.phase == COMMIT).any())
         return read.nonzero().squeeze(1)
 
-    def update(self, logits: list[torch.Tensor]) -> StepOutput:
-        [logits] = logits
+    def update(self, outputs: list[PassOutput]) -> StepOutput:
+        [out] = outputs
         self.nfe += 1
         self.row_nfe += self.phase != DONE
         if not self.is_prefilled:
             self.is_prefilled = True
             if self.prefix_cache is not None:
                 self.prefix_cache.store(self.prompts[0].tolist(), self.kv)
-            self._seed(logits[:, -1], torch.ones_like(self.phase, dtype=torch.bool))
+            self._seed(out[:, -1], torch.ones_like(self.phase, dtype=torch.bool))
         else:
             bs = self.params.block_length
-            full = logits.new_zeros(logits.shape[0], bs, logits.shape[-1])  # (B, bs, V); unread columns 0
-            logits = full.index_copy_(1, self.columns, logits)
+            out = out.spread(bs, self.columns)  # (B, bs); unread columns 0
             committing = self.phase == COMMIT
-            self._denoise(logits, self.phase == DENOISE)
+            self._denoise(out, self.phase == DENOISE)
             if bool(committing.any()):
                 self.block_idx += committing
                 self.passes_in_block = torch.where(committing, 0, self.passes_in_block)
                 self.phase = torch.where(committing, DENOISE, self.phase)
-                self._seed(logits[:, -1], committing)
+                self._seed(out[:, -1], committing)
         self._update_phases()
         return prefix_step_output(self, self.completions(), self.lengths, self.mask_id, self.stop_ids,
                                   self.row_nfe, self.include_canvas, finished=self.phase == DONE)
 
-    def _seed(self, last_logits: torch.Tensor, rows: torch.Tensor) -> None:
+    def _seed(self, last: PassOutput, rows: torch.Tensor) -> None:
         """The first token of each of `rows`' current block: sampled from a causal pass's last
-        output `last_logits` (B, V), as an AR step (the reference writes it whatever it is)."""
+        output `last` (B,), as an AR step (the reference writes it whatever it is)."""
         p, bs = self.params, self.params.block_length
         index = self.block_idx * bs  # (B,) its place in the completion
-        logits = constrain_outputs(last_logits[:, None], index[:, None], self.stop_ids, p.min_tokens,
-                                   self.first_allowed)[:, 0]
-        token = sample_tokens(logits, p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
+        last = constrain(last.view(-1, 1), index[:, None], self.stop_ids, p.min_tokens, self.first_allowed)[:, 0]
+        token = pick_tokens(last, p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
         slot = (self.prompt_width + index)[:, None]
         self.canvas.scatter_(1, slot, torch.where(rows, token, self.canvas.gather(1, slot)[:, 0])[:, None])
         if p.steps is not None:  # the block's masks, split over `steps` passes (the reference's schedule)
@@ -133,18 +132,18 @@ class CausalContextDecoder(Decoder):
             counts = num_transfer_tokens(masks, p.steps)  # (B, steps)
             self.schedule = counts if self.schedule is None else torch.where(rows[:, None], counts, self.schedule)
 
-    def _denoise(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
-        """One unmask step for `rows` from their block's logits (B, bs, V)."""
+    def _denoise(self, out: PassOutput, rows: torch.Tensor) -> None:
+        """One unmask step for `rows` from their block's outputs (B, bs)."""
         if not bool(rows.any()):
             return
         p, bs = self.params, self.params.block_length
-        index = (self.block_idx * bs)[:, None] + torch.arange(bs, device=logits.device)  # (B, bs) in the completion
+        index = (self.block_idx * bs)[:, None] + torch.arange(bs, device=out.device)  # (B, bs) in the completion
         slots = self.prompt_width + index
         block = self.canvas.gather(1, slots)
-        logits = constrain_outputs(logits, index, self.stop_ids, p.min_tokens, self.first_allowed)
-        tokens = sample_tokens(exclude_token(logits, self.mask_id), p.temperature, self.generator, p.top_k, p.top_p)
-        confidence = sampled_probability(logits, tokens, p) if p.remasking == "low_confidence" else \
-            self.rule(logits, tokens, self.generator).float()  # (B, bs)
+        out = constrain(out, index, self.stop_ids, p.min_tokens, self.first_allowed)
+        tokens = pick_tokens(out.excluding(self.mask_id), p.temperature, self.generator, p.top_k, p.top_p)
+        confidence = sampled_probability(out, tokens, p) if p.remasking == "low_confidence" else \
+            self.rule(out, tokens, self.generator).float()  # (B, bs)
         is_masked = (block == self.mask_id) & rows[:, None]
         confidence = confidence.masked_fill(~is_masked, float("-inf"))
         count = torch.ones_like(self.passes_in_block) if self.schedule is None else \

@@ -18,9 +18,10 @@ rejection rule in `speculative.py` makes the output the target's distribution wh
 import torch
 import torch.nn.functional as F
 
-from kstep.decoding.sampling import exclude_token, sample_tokens, sampling_probs, suppress_stop_tokens
+from kstep.decoding.sampling import pick_tokens, sample_tokens, sampling_probs, suppress_stop_tokens
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner
+from kstep.runner.pass_output import PassOutput
 
 NGRAM_MAX, NGRAM_MIN = 4, 1
 NGRAM = "ngram"  # the --draft name that selects NgramDrafter
@@ -68,10 +69,10 @@ class ModelDrafter:
         self.num_passes += 1
         return self.runner.ragged_causal_pass(self.ids, positions, self.write_start, self.real, self.kv)
 
-    def absorb(self, logits: torch.Tensor) -> None:
+    def absorb(self, out: PassOutput) -> None:
         """Sample the next draft token from a draft pass's logits (B, T, V)."""
         p = self.params
-        logits = logits[:, -1:]  # (B, 1, V)
+        logits = out.logits[:, -1:]  # (B, 1, V)
         if p.min_tokens:  # propose what the target may emit (its stops are suppressed there too)
             logits = suppress_stop_tokens(logits, self.stop_ids, (self.num_committed + len(self.drafts))[:, None],
                                           p.min_tokens)
@@ -174,11 +175,11 @@ class SelfDrafter:
         return self.runner.ragged_causal_pass(self.ids, positions, P + self.num_committed - 1, self.real, self.kv,
                                               is_causal=False, kind="draft")
 
-    def absorb(self, logits: torch.Tensor) -> None:
-        """The drafts from the draft pass's logits (B, g + 1, V): each mask's own output."""
+    def absorb(self, out: PassOutput) -> None:
+        """The drafts from the draft pass's outputs (B, g + 1): each mask's own output."""
         p = self.params
-        proposal = exclude_token(logits[:, 1:], self.mask_id)  # (B, g, V)
-        self.drafts = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)
+        proposal = out[:, 1:].excluding(self.mask_id)  # (B, g)
+        self.drafts = pick_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)
 
     def result(self) -> tuple[torch.Tensor, None]:
         return self.drafts, None

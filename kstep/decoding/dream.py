@@ -28,25 +28,29 @@ import torch
 
 from kstep.decoding.base import DecoderResources, prefix_step_output
 from kstep.decoding.masked_diffusion import DiffusionDecoder, fill_after_stop
-from kstep.decoding.sampling import constrain_outputs
+from kstep.decoding.sampling import constrain
 from kstep.decoding.unmask import choose_threshold, choose_top, top_request
 from kstep.outputs import StepOutput
 from kstep.runner.model_runner import ForwardPass, asking
-from kstep.runner.top_tokens import TopTokens
+from kstep.runner.pass_output import PassOutput
 
 DEFAULT_EPS = 1e-3  # DreamGenerationConfig's eps
 
 
-def dream_scores(logits: torch.Tensor, params, mask_id: int, generator: torch.Generator | None
+def dream_scores(out: PassOutput, params, mask_id: int, generator: torch.Generator | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dream's `sample_tokens` on a pass's outputs (...) -> (tokens, confidence) (`dream_logit_scores`;
+    top tokens, at temperature 0 without filters: theirs, in float32 where Dream's are in the logits' dtype)."""
+    score = {"margin": "margin", "entropy": "neg_entropy"}.get(params.remasking, "prob")
+    return out.read(("ids", score), lambda logits: dream_logit_scores(logits, params, mask_id, generator))
+
+
+def dream_logit_scores(logits: torch.Tensor, params, mask_id: int, generator: torch.Generator | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dream's `sample_tokens` on (..., V) logits -> (tokens, confidence): temperature, then top-p, then
     top-k (filtered logits at the dtype's minimum), softmax; argmax at temperature 0 else a sample;
-    confidence the token's probability, or top-1 minus top-2 (`margin`), or negative entropy (top
-    tokens, at temperature 0 without filters: theirs, in float32 where Dream's are in the logits' dtype)."""
+    confidence the token's probability, or top-1 minus top-2 (`margin`), or negative entropy."""
     p = params
-    if isinstance(logits, TopTokens):
-        scores = {"margin": logits.margin, "entropy": logits.neg_entropy}
-        return logits.ids, scores.get(p.remasking, logits.prob)
     if p.temperature > 0:
         logits = logits / p.temperature
     lowest = torch.finfo(logits.dtype).min
@@ -121,26 +125,26 @@ class DreamDecoder(DiffusionDecoder):
                                               self.kv, self.columns - 1)
         return asking([forward], self.top)
 
-    def update(self, logits: list[torch.Tensor]) -> StepOutput:
-        [logits] = logits  # (B, t, V)
+    def update(self, outputs: list[PassOutput]) -> StepOutput:
+        [out] = outputs  # (B, t)
         start, end = self.block
         had_masks = (self.canvas[:, start:end] == self.mask_id).any(-1)
-        candidates, confidence = self.scores(logits, self.columns)
+        candidates, confidence = self.scores(out, self.columns)
         self.step(self.canvas, candidates, confidence, self.step_idx)
         self.row_nfe += had_masks  # a pass that unmasks nothing is still one the row needs
         self.step_idx, self.nfe = self.step_idx + 1, self.nfe + 1
         self._advance()
         return self._output()
 
-    def scores(self, logits: torch.Tensor, columns: torch.Tensor, drawn_over=None,
+    def scores(self, out: PassOutput, columns: torch.Tensor, drawn_over=None,
                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each block column's candidate token and confidence (B, block_length), -inf where the pass
-        gave no logits, from its logits (B, t, V) predicting the block's `columns`."""
+        gave no outputs, from its outputs (B, t) predicting the block's `columns`."""
         p = self.params
         start, _ = self.block
-        logits = constrain_outputs(logits, (start - self.prompt_len + columns)[None], self.stop_ids, p.min_tokens,
-                                   self._first_allowed(rows))
-        tokens, scores = dream_scores(logits, p, self.mask_id, self.generator)  # (B, t) each
+        out = constrain(out, (start - self.prompt_len + columns)[None], self.stop_ids, p.min_tokens,
+                        self._first_allowed(rows))
+        tokens, scores = dream_scores(out, p, self.mask_id, self.generator)  # (B, t) each
         shape = (tokens.shape[0], p.block_length)
         candidates = tokens.new_zeros(shape).index_copy_(1, columns, tokens)
         confidence = torch.full(shape, float("-inf"), dtype=scores.dtype, device=tokens.device)

@@ -33,11 +33,12 @@ serving engine.
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, prefix_step_output
-from kstep.decoding.sampling import constrain_outputs, exclude_token, sample_tokens
+from kstep.decoding.sampling import constrain, pick_tokens
 from kstep.decoding.unmask import confidence_rule, make_policy, top_request
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, asking
+from kstep.runner.pass_output import PassOutput
 
 
 def fill_after_stop(completions: torch.Tensor, stop_ids: torch.Tensor, mask_id: int) -> None:
@@ -130,31 +131,31 @@ class DiffusionDecoder(Decoder):
             forward = self.runner.window_pass(ids, key_mask, start, window_end, L, end - start, self.kv, self.columns)
         return asking([forward], self.top)
 
-    def update(self, logits: list[torch.Tensor]) -> StepOutput:
-        """Apply one step given the logits ((B or 2B), t, V) of the masked block columns asked for."""
-        [logits] = logits
-        candidates, confidence = self.scores(logits, self.columns, self.drawn_over)
+    def update(self, outputs: list[PassOutput]) -> StepOutput:
+        """Apply one step given the outputs ((B or 2B), t) of the masked block columns asked for."""
+        [out] = outputs
+        candidates, confidence = self.scores(out, self.columns, self.drawn_over)
         self.row_nfe += self.step(self.canvas, candidates, confidence, self.step_idx).any(-1)
         self.step_idx, self.nfe = self.step_idx + 1, self.nfe + 1
         self._advance()
         return prefix_step_output(self, self.completions, self.committed, self.mask_id, self.stop_ids, self.row_nfe,
                                   self.include_canvas)
 
-    def scores(self, logits: torch.Tensor, columns: torch.Tensor, drawn_over=None,
+    def scores(self, out: PassOutput, columns: torch.Tensor, drawn_over=None,
                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each block column's candidate token and confidence (B, block_length), -inf where the pass
-        gave no logits, from its logits ((B or 2B), t, V) of the block's `columns`."""
+        gave no outputs, from its outputs ((B or 2B), t) of the block's `columns`."""
         p = self.params
         if p.cfg_scale > 0:
-            cond, uncond = logits.chunk(2)
-            logits = uncond + (p.cfg_scale + 1) * (cond - uncond)
+            cond, uncond = out.logits.chunk(2)
+            out = PassOutput.of_logits(uncond + (p.cfg_scale + 1) * (cond - uncond))
         start, _ = self.block
         # The mask token is never a candidate (a masked position must become a token); confidence is
         # still scored on the unmodified logits, as the references do.
-        proposal = constrain_outputs(exclude_token(logits, self.mask_id), (start - self.prompt_len + columns)[None],
-                                     self.stop_ids, p.min_tokens, self._first_allowed(rows))
-        picked = sample_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, t)
-        picked_confidence = self.rule(logits, picked, self.generator, drawn_over)  # (B, t)
+        proposal = constrain(out.excluding(self.mask_id), (start - self.prompt_len + columns)[None], self.stop_ids,
+                             p.min_tokens, self._first_allowed(rows))
+        picked = pick_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, t)
+        picked_confidence = self.rule(out, picked, self.generator, drawn_over)  # (B, t)
         # Back to the whole block: positions without logits are unmasked already in every row.
         shape = (picked.shape[0], p.block_length)
         candidates = picked.new_zeros(shape).index_copy_(1, columns, picked)

@@ -1,4 +1,6 @@
-"""Token sampling shared by both decoders: top-k / top-p filtering, then argmax or Gumbel-max.
+"""Token sampling shared by every decoder: top-k / top-p filtering, then argmax or Gumbel-max; and the
+rules on what completion positions may hold (min_tokens, token healing). The functions on a pass's
+outputs (`pick_tokens`, `constrain`) take a `PassOutput` (runner/pass_output.py); the others plain logits.
 
 Gumbel-max follows LLaDA's `add_gumbel_noise`: argmax of exp(logits) / (-log u)^T in float64,
 because low-precision Gumbel noise hurts MDM generation quality (arXiv:2409.02908). It samples
@@ -9,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kstep.runner.top_tokens import TopTokens
+from kstep.runner.pass_output import PassOutput
 
 if TYPE_CHECKING:
     from kstep.params import GenerationParams
@@ -33,9 +35,7 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) 
 def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
                   top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
     """(..., V) logits -> (...) token ids. Top-k / top-p select from the tempered distribution
-    softmax(logits / T), as transformers and vLLM do. Top tokens (a greedy pass's): their ids."""
-    if isinstance(logits, TopTokens):
-        return logits.ids
+    softmax(logits / T), as transformers and vLLM do."""
     if top_k is not None or top_p is not None:
         kept = filter_logits(logits / temperature if temperature > 0 else logits, top_k, top_p)
         logits = logits.masked_fill(torch.isinf(kept), float("-inf"))
@@ -46,13 +46,11 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
     return (shifted.exp() / (-torch.log(noise)) ** temperature).argmax(-1)
 
 
-def exclude_token(logits: torch.Tensor, token_id: int) -> torch.Tensor:
-    """A copy of logits (..., V) that never picks `token_id` (-inf there); top tokens already exclude it."""
-    if isinstance(logits, TopTokens):
-        return logits
-    logits = logits.clone()
-    logits[..., token_id] = float("-inf")
-    return logits
+def pick_tokens(out: PassOutput, temperature: float, generator: torch.Generator | None = None,
+                top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """(...) a token for each position of a pass's outputs, as `sample_tokens` draws it (top tokens,
+    a greedy pass's: their ids)."""
+    return out.read("ids", lambda logits: sample_tokens(logits, temperature, generator, top_k, top_p))
 
 
 def sampling_probs(logits: torch.Tensor, params: "GenerationParams") -> torch.Tensor:
@@ -98,3 +96,12 @@ def constrain_outputs(logits: torch.Tensor, output_index: torch.Tensor | int, st
     if not bool(is_first.any()):
         return logits
     return logits.masked_fill(is_first[..., None] & ~first_allowed[:, None, :], float("-inf"))
+
+
+def constrain(out: PassOutput, output_index: torch.Tensor | int, stop_ids: torch.Tensor, min_tokens: int,
+              first_allowed: torch.Tensor | None) -> PassOutput:
+    """`constrain_outputs` on a pass's outputs (B, T): unchanged when no rule applies (a top-token
+    pass is only asked for when none does)."""
+    if not min_tokens and first_allowed is None:
+        return out
+    return out.with_logits(constrain_outputs(out.logits, output_index, stop_ids, min_tokens, first_allowed))

@@ -33,6 +33,7 @@ from kstep.decoding.base import Decoder, prefix_step_output
 from kstep.decoding.masked_diffusion import DiffusionDecoder
 from kstep.outputs import StepOutput
 from kstep.runner.model_runner import ForwardPass, asking
+from kstep.runner.pass_output import PassOutput
 
 
 def count_breaks(chain: torch.Tensor, exact_next: torch.Tensor, in_chain: torch.Tensor, kept: torch.Tensor,
@@ -90,12 +91,12 @@ class SelfSpeculativeDecoder(Decoder):
         return ex.runner.window_pass(self.chain.reshape(B * K, L), key_mask, start, window_end, L,
                                      end - start - shift, self.draft_kv)
 
-    def _verified_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The verification pass's logits of the verified drafts (R, t, V), and the block columns they predict."""
+    def _verified_outputs(self, out: PassOutput) -> tuple[PassOutput, torch.Tensor]:
+        """The verification pass's outputs of the verified drafts (R, t), and the block columns they predict."""
         ex, bs = self.exact, self.exact.params.block_length
         if ex.kv is None:
-            return logits, torch.arange(bs, device=logits.device)
-        return logits[self.verified.reshape(-1)], torch.arange(ex.logits_shift, bs, device=logits.device)
+            return out, torch.arange(bs, device=out.device)
+        return out[self.verified.reshape(-1)], torch.arange(ex.logits_shift, bs, device=out.device)
 
     def _copy_cache(self, rows: torch.Tensor) -> None:
         """Each drafting row's cache, as its block start left it, into its K draft rows."""
@@ -108,11 +109,11 @@ class SelfSpeculativeDecoder(Decoder):
         ex.runner.copy_kv(ex.kv, self.draft_kv, [b for b in src for _ in range(K)],
                           [b * K + k for b in src for k in range(K)])
 
-    def update(self, logits: list[torch.Tensor]) -> StepOutput:
-        [logits] = logits
+    def update(self, outputs: list[PassOutput]) -> StepOutput:
+        [out] = outputs
         ex, self.nfe = self.exact, self.nfe + 1
         if self.chain is None:
-            candidates, confidence = ex.scores(logits, ex.columns, getattr(ex, "drawn_over", None))
+            candidates, confidence = ex.scores(out, ex.columns, getattr(ex, "drawn_over", None))
             has_masks = self._has_masks(ex.canvas)
             self.row_nfe += has_masks
             if ex.is_block_sampler and ex.step_idx == 0:
@@ -124,8 +125,8 @@ class SelfSpeculativeDecoder(Decoder):
         else:
             self.row_nfe += self.verified.any(-1)
             rows = self.verified.nonzero()[:, 0]
-            verified_logits, columns = self._verified_logits(logits)
-            self._verify(*ex.scores(verified_logits, columns, rows=rows))
+            verified, columns = self._verified_outputs(out)
+            self._verify(*ex.scores(verified, columns, rows=rows))
         self._apply_lone_steps()
         if not bool(self._has_masks(ex.canvas).any()):  # every row has finished the block
             ex.step_idx = 0

@@ -24,11 +24,12 @@ import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
 from kstep.decoding.drafters import NGRAM, SELF, ModelDrafter, NgramDrafter, SelfDrafter
-from kstep.decoding.sampling import constrain_outputs, sample_tokens, sampling_probs
+from kstep.decoding.sampling import constrain, pick_tokens, sampling_probs
 from kstep.decoding.unmask import top_request
 from kstep.outputs import StepOutput
 from kstep.params import SELF_SPECULATION, GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, asking, positions_from_padding
+from kstep.runner.pass_output import PassOutput
 
 __all__ = ["SpeculativeDecoder", "accept_drafts", "accept_greedy", "accept_matching", "sampling_probs"]
 
@@ -53,9 +54,9 @@ def accept_drafts(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts:
     return num_kept, torch.multinomial(residual, 1, generator=generator).squeeze(-1)
 
 
-def accept_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_greedy(target: PassOutput, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature 0: keep drafts while they equal the target's argmax; then the target's argmax."""
-    return accept_matching(sample_tokens(target_logits, 0), drafts)  # the argmax (top tokens: their ids)
+    return accept_matching(pick_tokens(target, 0), drafts)
 
 
 def accept_matching(target_tokens: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,11 +136,11 @@ class SpeculativeDecoder(Decoder):
         positions = self.positions[:, -1:] + g[:, None] + torch.arange(ids.shape[1], device=ids.device)
         return asking([self.runner.ragged_causal_pass(ids, positions, P + g - 1, self.real, self.kv)], self.top)
 
-    def update(self, logits: list[torch.Tensor]) -> StepOutput:
-        """Prefill: sample the first token from the target's (B, 1, V). A draft pass: the drafter
-        samples its next proposal. Verify: (B, g + 1, V)."""
+    def update(self, outputs: list[PassOutput]) -> StepOutput:
+        """Prefill: sample the first token from the target's outputs (B, 1). A draft pass: the drafter
+        samples its next proposal. Verify: (B, g + 1)."""
         if self.phase == "draft":
-            self.drafter.absorb(logits[0])
+            self.drafter.absorb(outputs[0])
             if self.drafter.is_target:  # the target's own pass (LinearSpec): its nfe, as the reference counts
                 self.nfe += 1
                 self.row_nfe = [n + (not done) for n, done in zip(self.row_nfe, self.row_finished, strict=True)]
@@ -147,21 +148,21 @@ class SpeculativeDecoder(Decoder):
                 self.drafts, self.draft_probs = self.drafter.result()
                 self.phase = "verify"
             return self._output([[] for _ in self.out])
-        logits = logits[-1]
+        out = outputs[-1]
         p = self.params
         self.nfe += 1
         if p.min_tokens or self.first_allowed is not None:
-            generated = torch.tensor([[len(o)] for o in self.out], device=logits.device)  # (B, 1)
-            index = generated + torch.arange(logits.shape[1], device=logits.device)  # (B, T)
-            logits = constrain_outputs(logits, index, self.stop_tensor, p.min_tokens, self.first_allowed)
+            generated = torch.tensor([[len(o)] for o in self.out], device=out.device)  # (B, 1)
+            index = generated + torch.arange(out.shape[1], device=out.device)  # (B, T)
+            out = constrain(out, index, self.stop_tensor, p.min_tokens, self.first_allowed)
         if self.drafts is None:
-            new = [[t] for t in sample_tokens(logits[:, -1], p.temperature, self.generator, p.top_k, p.top_p).tolist()]
+            new = [[t] for t in pick_tokens(out[:, -1], p.temperature, self.generator, p.top_k, p.top_p).tolist()]
         else:
             if p.temperature == 0 or self.draft_probs is None:  # greedy, or LinearSpec's sampled rule
-                tokens = sample_tokens(logits, p.temperature, self.generator, p.top_k, p.top_p)  # (B, g + 1)
+                tokens = pick_tokens(out, p.temperature, self.generator, p.top_k, p.top_p)  # (B, g + 1)
                 num_kept, following = accept_matching(tokens, self.drafts)
             else:
-                num_kept, following = accept_drafts(sampling_probs(logits, p), self.draft_probs, self.drafts,
+                num_kept, following = accept_drafts(sampling_probs(out.logits, p), self.draft_probs, self.drafts,
                                                     self.generator)
             drafts, num_kept, following = self.drafts.tolist(), num_kept.tolist(), following.tolist()
             new = [d[:k] + [f] for d, k, f in zip(drafts, num_kept, following, strict=True)]

@@ -101,7 +101,8 @@ def _cell(family: Family, knobs: dict) -> str:
     try:
         params = replace(params, **{k: v for k, v in knob_defaults(family, BLOCK_SIZE, params).items()
                                     if getattr(params, k) is None})
-        resolved = params.resolve(family.name, family.kind_for(params.mode), has_draft=params.mode == SELF_SPECULATION)
+        resolved = params.resolve(family.name, family.kind_for(params.mode), params.mode == SELF_SPECULATION,
+                                  whole_canvas_reference=family.whole_canvas_reference)
     except ValueError as e:
         return f"refused ({str(e).split()[0]})"  # every refusal names its knob first
     return f"`{choose(family, resolved).name}`" + _rule(resolved)

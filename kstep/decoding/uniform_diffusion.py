@@ -33,6 +33,7 @@ from kstep.models.diffusion_gemma_layers import DECODER, ENCODER
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
+from kstep.runner.pass_output import PassOutput
 
 
 class UniformDiffusionDecoder(Decoder):
@@ -89,14 +90,14 @@ class UniformDiffusionDecoder(Decoder):
         return [ForwardPass(ids, positions, mask, 0, self.canvas_length, "denoise", self.runner, self.kv, start, end,
                             mode=DECODER, soft_embeds=self.soft)]
 
-    def update(self, logits: list[torch.Tensor]) -> StepOutput:
-        [logits] = logits
+    def update(self, outputs: list[PassOutput]) -> StepOutput:
+        [out] = outputs
         self.nfe += 1
         if self.is_encoding:
             self.row_nfe += ~self.row_finished
             self._start_canvas()
         else:
-            self._denoise(logits)
+            self._denoise(out.logits)  # its rules read whole distributions
         return self._output()
 
     def _random_tokens(self) -> torch.Tensor:

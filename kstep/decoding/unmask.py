@@ -18,7 +18,8 @@ import torch
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.sampling import sampling_probs
 from kstep.params import REMASKING_RULES, GenerationParams, UnmaskPolicy
-from kstep.runner.top_tokens import TopRequest, TopTokens
+from kstep.runner.pass_output import PassOutput
+from kstep.runner.top_tokens import TopRequest
 
 # (width, index): the pass's reference draws over `width` positions per row; the scored positions are
 # `index` (t,) among them.
@@ -26,19 +27,17 @@ DrawnOver = tuple[int, torch.Tensor]
 
 
 class ConfidenceRule(Protocol):
-    def __call__(self, logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None,
+    def __call__(self, out: PassOutput, candidates: torch.Tensor, generator: torch.Generator | None,
                  drawn_over: DrawnOver | None = None) -> torch.Tensor: ...
 
 
-def low_confidence(logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None,
+def low_confidence(out: PassOutput, candidates: torch.Tensor, generator: torch.Generator | None,
                    drawn_over: DrawnOver | None = None) -> torch.Tensor:
-    if isinstance(logits, TopTokens):  # candidates are its ids
-        return logits.prob
-    probs = logits.float().softmax(-1)  # (B, T, V)
-    return probs.gather(-1, candidates.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    """(B, T) each candidate's probability (top tokens: candidates are their ids)."""
+    return out.read("prob", lambda logits: logits.float().softmax(-1).gather(-1, candidates.unsqueeze(-1)).squeeze(-1))
 
 
-def random_confidence(logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None,
+def random_confidence(out: PassOutput, candidates: torch.Tensor, generator: torch.Generator | None,
                       drawn_over: DrawnOver | None = None) -> torch.Tensor:
     """Uniform scores (B, T). With `drawn_over`, the references' draw: LLaDA's generate.py and
     Fast-dLLM's get_transfer_index draw torch.rand((B, L)) (float32, on the logits' device) over
@@ -50,35 +49,37 @@ def random_confidence(logits: torch.Tensor, candidates: torch.Tensor, generator:
     return draws[:, index]  # (B, T)
 
 
-def margin(logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None,
+def margin(out: PassOutput, candidates: torch.Tensor, generator: torch.Generator | None,
            drawn_over: DrawnOver | None = None) -> torch.Tensor:
-    if isinstance(logits, TopTokens):
-        return logits.margin
-    top2 = logits.float().softmax(-1).topk(2, dim=-1).values  # (B, T, 2)
-    return top2[..., 0] - top2[..., 1]
+    """(B, T) top-1 minus top-2 probability."""
+    def dense(logits: torch.Tensor) -> torch.Tensor:
+        top2 = logits.float().softmax(-1).topk(2, dim=-1).values  # (B, T, 2)
+        return top2[..., 0] - top2[..., 1]
+    return out.read("margin", dense)
 
 
-def entropy(logits: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None,
+def entropy(out: PassOutput, candidates: torch.Tensor, generator: torch.Generator | None,
             drawn_over: DrawnOver | None = None) -> torch.Tensor:
-    if isinstance(logits, TopTokens):
-        return logits.neg_entropy
-    logp = logits.float().log_softmax(-1)
-    return (logp.exp() * logp).sum(-1)  # negative entropy, (B, T)
+    """(B, T) negative entropy."""
+    def dense(logits: torch.Tensor) -> torch.Tensor:
+        logp = logits.float().log_softmax(-1)
+        return (logp.exp() * logp).sum(-1)
+    return out.read("neg_entropy", dense)
 
 
 UNMASK_RULES: dict[str, ConfidenceRule] = dict(zip(REMASKING_RULES, (low_confidence, random_confidence, margin,
                                                                        entropy), strict=True))
 
 
-def sampled_probability(logits: torch.Tensor, tokens: torch.Tensor, params: GenerationParams) -> torch.Tensor:
+def sampled_probability(out: PassOutput, tokens: torch.Tensor, params: GenerationParams) -> torch.Tensor:
     """(B, T) each sampled token's probability under the distribution it was drawn from: softmax(logits)
     at temperature 0, else the tempered, top-k / top-p filtered one (the block-diffusion references'
     confidence: SDAR's generate.py, Fast-dLLM v2's and LLaDA2's samplers; with top_k 1 it is 1).
     Top tokens (a greedy pass's): their probability (`tokens` are their ids)."""
-    if isinstance(logits, TopTokens):
-        return logits.prob
-    probs = logits.float().softmax(-1) if params.temperature == 0 else sampling_probs(logits, params)
-    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float()
+    def dense(logits: torch.Tensor) -> torch.Tensor:
+        probs = logits.float().softmax(-1) if params.temperature == 0 else sampling_probs(logits, params)
+        return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float()
+    return out.read("prob", dense)
 
 
 def top_request(params: GenerationParams, exclude_id: int | None, first_allowed: torch.Tensor | None,

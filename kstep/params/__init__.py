@@ -3,8 +3,8 @@ blocks and steps (denoising.py), and the range checks every edge shares (validat
 Python, no torch: the scheduler and request bookkeeping import it."""
 from kstep.params.denoising import DEFAULT_NUM_DRAFT_TOKENS, SELF_DRAFT, UnmaskPolicy
 from kstep.params.generation import CACHE_MODES, REMASKING_RULES, GenerationParams, knob_applies, user_knobs
-from kstep.registry import (AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, MODES, SELF_SPECULATION,  # the kinds, for
-                            UNIFORM_DIFFUSION)  # the knobs' users' convenience (their home is the registry)
+from kstep.kinds import (AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, MODES, SELF_SPECULATION,  # the kinds, for the
+                         UNIFORM_DIFFUSION)  # knobs' users' convenience
 
 __all__ = ["AUTOREGRESSIVE", "BLOCK_DIFFUSION", "CACHE_MODES", "DEFAULT_NUM_DRAFT_TOKENS", "DIFFUSION", "MODES",
            "REMASKING_RULES", "SELF_DRAFT", "SELF_SPECULATION", "UNIFORM_DIFFUSION", "GenerationParams",

@@ -15,10 +15,9 @@ from typing import Literal
 from kstep.params.denoising import (DEFAULT_NUM_DRAFT_TOKENS, SELF_DRAFT, UnmaskPolicy, resolve_block_diffusion,
                                     resolve_diffusion)
 from kstep.params.validation import MAX_SEED, check_int, check_number, check_pass_bound
-from kstep.registry import (AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, FAMILIES, MODES, SELF_SPECULATION,
-                            UNIFORM_DIFFUSION, families_where)
+from kstep.kinds import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, MODES, SELF_SPECULATION, UNIFORM_DIFFUSION
 
-TRI_MODE = families_where(lambda f: f.modes is not None)  # the families that take `mode`
+TRI_MODE = ("nemotron_labs_diffusion",)  # the families that take `mode` (those the registry gives modes)
 # transformers' DiffusionGemmaGenerationConfig defaults, where the checkpoint's generation_config.json has none
 UNIFORM_DEFAULTS = {"max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
                     "stability_threshold": 1, "confidence_threshold": 0.005}
@@ -161,11 +160,12 @@ class GenerationParams:
     def num_blocks(self) -> int:
         return self.max_tokens // self.block_length
 
-    def resolve(self, family: str, kind: str, has_draft: bool = False,
-                canvas_length: int | None = None) -> "GenerationParams":
+    def resolve(self, family: str, kind: str, has_draft: bool = False, canvas_length: int | None = None,
+                whole_canvas_reference: bool = False) -> "GenerationParams":
         """The params a decoder of `family` (of `kind`) runs: knobs it does not use are refused, the
         defaults filled in, the unmask policy chosen, the passes bounded (MAX_PASSES_PER_POSITION;
-        `canvas_length`: a random-start model's canvas). Called once, at the edge."""
+        `canvas_length`: a random-start model's canvas; `whole_canvas_reference`: the family's exact
+        sampler runs the canvas as one block, registry.Family). Called once, at the edge."""
         if self.is_resolved:
             return self
         for f in user_knobs():
@@ -194,7 +194,7 @@ class GenerationParams:
             # fixed seed, so it gets one (0) unless the request chose its own.
             seed = 0 if filled.seed is None and filled.temperature == 0 else filled.seed
             return replace(filled, seed=seed, is_resolved=True)
-        return resolve_diffusion(self, FAMILIES[family].whole_canvas_reference)
+        return resolve_diffusion(self, whole_canvas_reference)
 
 
 def user_knobs() -> list:

@@ -13,7 +13,8 @@ import torch
 from kstep.layers.attention import KVCache, Segment
 from kstep.models.network import Network
 from kstep.runner.prefix_cache import PrefixCache
-from kstep.runner.top_tokens import TopRequest, TopTokens, local_stats, merge
+from kstep.runner.pass_output import PassOutput
+from kstep.runner.top_tokens import TopRequest, local_stats, merge
 
 
 def positions_from_padding(key_mask: torch.Tensor) -> torch.Tensor:
@@ -181,8 +182,10 @@ class ModelRunner:
     # --- Execution ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, passes: list[ForwardPass]) -> list[torch.Tensor]:
-        """Run the passes as one packed forward pass; per pass, logits (b, logits_to - logits_from, V)."""
+    def execute(self, passes: list[ForwardPass]) -> list[PassOutput]:
+        """Run the passes as one packed forward pass; per pass, its outputs at its (b, logits_to -
+        logits_from) positions: the logits, or (tensor parallel, where it asks) top tokens. A
+        tensor-parallel rank other than 0 gets []."""
         segments, offset = [], 0
         for p in passes:
             b, T = p.ids.shape
@@ -201,17 +204,16 @@ class ModelRunner:
             return self._outputs_with_top_tokens(passes, wanted)
         if len(passes) == 1:
             logits = self.model.logits(wanted[0])
-            return [] if logits is None else [logits]  # None: a tensor-parallel rank other than 0
+            return [] if logits is None else [PassOutput.of_logits(logits)]  # None: a tensor-parallel rank other than 0
         # One LM-head matmul for every sequence: the head is the largest weight of a small model.
         logits = self.model.logits(torch.cat([w.reshape(-1, w.shape[-1]) for w in wanted]))  # (sum b*t, V)
         if logits is None:
             return []
         sizes = [w.shape[0] * w.shape[1] for w in wanted]
-        return [chunk.view(w.shape[0], w.shape[1], logits.shape[-1])  # (a pass may want no logits)
+        return [PassOutput.of_logits(chunk.view(w.shape[0], w.shape[1], logits.shape[-1]))  # (a pass may want none)
                 for chunk, w in zip(logits.split(sizes), wanted)]
 
-    def _outputs_with_top_tokens(self, passes: list[ForwardPass], wanted: list[torch.Tensor]
-                                 ) -> list[torch.Tensor | TopTokens]:
+    def _outputs_with_top_tokens(self, passes: list[ForwardPass], wanted: list[torch.Tensor]) -> list[PassOutput]:
         """Per pass, its logits or (where it asks) its top tokens: one LM-head matmul over every
         pass's rows on this rank's vocabulary slice, then one gather of the logits passes' columns
         and one of the top-token passes' statistics (rank 0 gets them; the others get [])."""
@@ -230,12 +232,13 @@ class ModelRunner:
         ranks = 1 if group is None else group.size
         tops = iter(merge(stats.view(stats.shape[0], ranks, -1)).split([c.shape[0] for c, a in zip(chunks, asks) if a]))
         logits = iter(() if logits is None else logits[:, :self.cfg.vocab_size].split([c.shape[0] for c in dense]))
-        return [(next(tops) if asked else next(logits)).view(w.shape[0], w.shape[1], -1)
-                for asked, w in zip(asks, wanted)]
+        return [PassOutput.of_top_tokens(next(tops).view(w.shape[0], w.shape[1], -1), p.top.exclude_id) if asked
+                else PassOutput.of_logits(next(logits).view(w.shape[0], w.shape[1], -1))
+                for p, asked, w in zip(passes, asks, wanted)]
 
     def logits(self, forward_pass: ForwardPass) -> torch.Tensor:
-        """One pass alone."""
-        return self.execute([forward_pass])[0]
+        """One pass alone: its logits."""
+        return self.execute([forward_pass])[0].logits
 
     def whole_pass(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of a plain pass over ids (B, T) at positions (B, T), as `model(ids, positions)` (with
@@ -256,13 +259,13 @@ def asking(passes: list[ForwardPass], top: TopRequest | None) -> list[ForwardPas
     return passes
 
 
-def execute_passes(passes: list[ForwardPass]) -> list[torch.Tensor]:
+def execute_passes(passes: list[ForwardPass]) -> list[PassOutput]:
     """Run passes that may belong to different runners (a target and its draft model): one packed
-    pass per runner; logits in the order of `passes`."""
+    pass per runner; outputs in the order of `passes`."""
     by_runner: dict[int, list[int]] = {}
     for i, p in enumerate(passes):
         by_runner.setdefault(id(p.runner), []).append(i)
-    logits: list[torch.Tensor | None] = [None] * len(passes)
+    logits: list[PassOutput | None] = [None] * len(passes)
     for indices in by_runner.values():
         for i, out in zip(indices, passes[indices[0]].runner.execute([passes[i] for i in indices]), strict=True):
             logits[i] = out

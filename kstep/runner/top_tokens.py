@@ -15,16 +15,17 @@ brings them to rank 0, and `merge` combines them exactly as the dense formulas w
 
 Ties go to the smallest token id, as torch.argmax (ranks hold ascending vocabulary ranges).
 
-`TopTokens` is a (..., 4) float64 tensor [id, probability, margin, -entropy] per position, so the
-decoders index positions of it as they index logits (gather, index_copy, [:, -1]); the sampling
-functions (decoding/sampling.py, unmask.py, dream.py) read its columns where they would read logits.
-A runner returns it only for passes that ask (`ForwardPass.top`), and only where it computes top
+The merged statistics are (..., 4) float64 per position, [id, probability, margin, -entropy]: a
+`PassOutput`'s top tokens (runner/pass_output.py), which the decoders read as they read logits. A
+runner computes them only for passes that ask (`ForwardPass.top`), and only where it computes top
 tokens (tensor parallel); a single-device runner returns the logits, so its outputs stay bit-equal
 to the references'.
 """
 from dataclasses import dataclass
 
 import torch
+
+from kstep.runner.pass_output import PassOutput
 
 NUM_STATS = 6  # per position and rank: max, sum exp(x - max), masked max, its id, second max, sum exp(x - max) * x
 
@@ -36,27 +37,6 @@ class TopRequest:
     exclude_id: int | None = None
     needs_margin: bool = False
     needs_entropy: bool = False
-
-
-class TopTokens(torch.Tensor):
-    """(..., 4) float64 per position: [token id, its probability, top-1 minus top-2 probability,
-    negative entropy] (module note). Indexing positions keeps the type."""
-
-    @property
-    def ids(self) -> torch.Tensor:
-        return self.as_subclass(torch.Tensor)[..., 0].long()
-
-    @property
-    def prob(self) -> torch.Tensor:
-        return self.as_subclass(torch.Tensor)[..., 1].float()
-
-    @property
-    def margin(self) -> torch.Tensor:
-        return self.as_subclass(torch.Tensor)[..., 2].float()
-
-    @property
-    def neg_entropy(self) -> torch.Tensor:
-        return self.as_subclass(torch.Tensor)[..., 3].float()
 
 
 def local_stats(logits: torch.Tensor, vocab_start: int, request: TopRequest) -> torch.Tensor:
@@ -82,8 +62,8 @@ def local_stats(logits: torch.Tensor, vocab_start: int, request: TopRequest) -> 
                      -1).double()
 
 
-def merge(stats: torch.Tensor) -> TopTokens:
-    """(R, N, NUM_STATS) the N shards' local statistics, in vocabulary order -> TopTokens (R, 4)."""
+def merge(stats: torch.Tensor) -> torch.Tensor:
+    """(R, N, NUM_STATS) the N shards' local statistics, in vocabulary order -> top tokens (R, 4)."""
     m, s, best_logit, best_id, second, weighted = stats.unbind(-1)  # each (R, N)
     M = m.amax(-1, keepdim=True)  # (R, 1)
     w = (m - M).exp()  # (R, N): 0 for a shard without columns
@@ -95,11 +75,11 @@ def merge(stats: torch.Tensor) -> TopTokens:
     runner_up = torch.cat([m, second], -1).topk(2, dim=-1).values[:, 1]  # the second largest logit overall
     margin = (M.squeeze(-1) - lse).exp() - (runner_up - lse).exp()
     neg_entropy = (weighted * w).sum(-1) / S - lse
-    return torch.stack([ids, prob, margin, neg_entropy], -1).as_subclass(TopTokens)
+    return torch.stack([ids, prob, margin, neg_entropy], -1)
 
 
-def top_tokens(logits: torch.Tensor, request: TopRequest) -> TopTokens:
-    """Dense logits (..., V) -> TopTokens (..., 4), as one shard (tests; a runner made to compute them)."""
+def top_tokens(logits: torch.Tensor, request: TopRequest) -> PassOutput:
+    """Dense logits (..., V) -> their top tokens (..., 4), as one shard (tests; a runner made to compute them)."""
     lead = logits.shape[:-1]
     merged = merge(local_stats(logits.reshape(-1, logits.shape[-1]), 0, request)[:, None])
-    return merged.view(*lead, 4)
+    return PassOutput.of_top_tokens(merged.view(*lead, 4), request.exclude_id)
