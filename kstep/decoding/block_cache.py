@@ -92,7 +92,7 @@ class BlockCacheDecoder(BlockDiffusionDecoder):
         source = (torch.arange(sub, device=out.device) - 1).clamp(min=0)
         columns = self.lo[:, None] + torch.arange(sub, device=out.device)  # (B, sub)
         self._denoise(out[:, source].scatter(self.params.block_length, columns), active & (self.phase == DENOISE))
-        self._update_phases()
+        self.update_phases()
         return self._output()
 
     def _next_block(self, rows: torch.Tensor) -> None:

@@ -29,7 +29,8 @@ attended) after theirs. Rows keep their own blocks: every pass is one ragged pas
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, final_rows, prefix_step_output
-from kstep.decoding.block_unmask import open_columns, unmask_block
+from kstep.decoding.block_unmask import block_scores, choose_in_block, open_columns
+from kstep.decoding.exact_step import BlockExactStep
 from kstep.decoding.sampling import constrain
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.token_editing import TokenEditing
@@ -42,7 +43,7 @@ from kstep.runner.pass_output import PassOutput
 DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase
 
 
-class BlockDiffusionDecoder(Decoder):
+class BlockDiffusionDecoder(Decoder, BlockExactStep):
     spare_slots = 0  # KV slots past the canvas, never attended (block_cache.py writes keys it must not keep there)
 
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
@@ -176,13 +177,13 @@ class BlockDiffusionDecoder(Decoder):
                 out = out.spread(2 * bs if self._fuses_commit() else bs, self.columns)
             if out.shape[1] == 2 * bs:  # fused: committing rows run [finished; next], the rest [block; scratch]
                 committing = active & (self.phase == COMMIT)
-                self._commit(out[:, bs - 1], committing)
-                self._denoise(self._block_outputs(out, committing.long()), active & (self.phase == DENOISE),
+                self.commit(out[:, bs - 1], committing)
+                self._denoise(self.block_outputs(out, committing.long()), active & (self.phase == DENOISE),
                               already=committing.long() if self.rules.is_shifted else None)
             else:
-                self._denoise(self._block_outputs(out, torch.zeros_like(self.phase)), active & (self.phase == DENOISE))
-                self._commit(out[:, -1], active & (self.phase == COMMIT))
-        self._update_phases()
+                self._denoise(self.block_outputs(out, torch.zeros_like(self.phase)), active & (self.phase == DENOISE))
+                self.commit(out[:, -1], active & (self.phase == COMMIT))
+        self.update_phases()
         return self._output()
 
     def _after_prefill(self, out: PassOutput) -> None:
@@ -208,7 +209,7 @@ class BlockDiffusionDecoder(Decoder):
         current = self.canvas.gather(1, slot[:, None]).squeeze(1)
         self.canvas.scatter_(1, slot[:, None], torch.where(in_range, token, current)[:, None])
 
-    def _block_outputs(self, out: PassOutput, half: torch.Tensor) -> PassOutput:
+    def block_outputs(self, out: PassOutput, half: torch.Tensor) -> PassOutput:
         """(B, bs): the outputs that predict each row's current block, which starts at column
         half[b] * bs of the pass's outputs (B, T). Shifted: the token at j from the output at j - 1
         (a column 0 with no output before it in the pass is never masked: it keeps its own)."""
@@ -228,18 +229,34 @@ class BlockDiffusionDecoder(Decoder):
         index = starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
         block = self.canvas.gather(1, index)
         positions = self.block_starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
-        out = constrain(out, positions - self.prompt_lengths[:, None], self.stop_ids, p.min_tokens, self.first_allowed)
-        count = torch.ones_like(self.passes_in_block) if self.schedule is None else \
-            self.schedule[self.passes_in_block.clamp(max=len(self.schedule) - 1)]
+        tokens, probs, confidence = self.block_scores(out, torch.arange(len(rows), device=rows.device))
+        count = self.scheduled(self.passes_in_block)
         if already is not None:
             count = (count - already).clamp(min=0)
-        editable = (block != self.mask_id) & (positions >= self.prompt_lengths[:, None])  # token editing's
-        tokens, chosen = unmask_block(block, out, rows, count, p, self.mask_id, self.rule, self.generator,
-                                      self.editing, editable)
+        chosen = choose_in_block(block, confidence, rows, count, p, self.mask_id)
+        if self.editing is not None:  # LLaDA2.1: filled tokens (not the prompt's) it may replace
+            editable = (block != self.mask_id) & (positions >= self.prompt_lengths[:, None])
+            chosen |= self.editing.edits(block, tokens, probs, block == self.mask_id, editable, rows)
         self.canvas.scatter_(1, index, torch.where(chosen, tokens, block))
         self.passes_in_block += rows
 
-    def _commit(self, last: PassOutput, rows: torch.Tensor) -> None:
+    def scheduled(self, passes: torch.Tensor) -> torch.Tensor:
+        """(R,) the least a pass unmasks at each row's `passes` (R,) in its block: the schedule's count, else 1."""
+        return torch.ones_like(passes) if self.schedule is None else self.schedule[passes.clamp(max=len(self.schedule) - 1)]
+
+    def block_scores(self, out: PassOutput, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = self.params
+        positions = self.block_starts[rows, None] + torch.arange(p.block_length, device=rows.device)  # (R, bs)
+        allowed = None if self.first_allowed is None else self.first_allowed[rows]
+        out = constrain(out, positions - self.prompt_lengths[rows, None], self.stop_ids, p.min_tokens, allowed)
+        return block_scores(out, p, self.mask_id, self.rule, self.generator)
+
+    def block_step(self, blocks: torch.Tensor, tokens: torch.Tensor, confidence: torch.Tensor, passes: torch.Tensor,
+                   live: torch.Tensor) -> torch.Tensor:
+        chosen = choose_in_block(blocks, confidence, live, self.scheduled(passes), self.params, self.mask_id)
+        return torch.where(chosen, tokens, blocks)
+
+    def commit(self, last: PassOutput, rows: torch.Tensor) -> None:
         """This pass wrote the finished block's exact keys/values; the next block begins (its first
         token from the finished block's last output `last` (B,) when shifted)."""
         if not bool(rows.any()):
@@ -254,7 +271,7 @@ class BlockDiffusionDecoder(Decoder):
         self.passes_in_block = torch.where(rows, 0, self.passes_in_block)
         self.phase = torch.where(rows, DENOISE, self.phase)
 
-    def _update_phases(self) -> None:
+    def update_phases(self) -> None:
         """Denoised blocks go to commit; a row is done once its completion is final."""
         bs = self.params.block_length
         starts = self.pads + self.block_starts
@@ -265,16 +282,16 @@ class BlockDiffusionDecoder(Decoder):
             exact, to_commit = self.editing.block_ends(to_commit)
             self._next_block(exact)  # its keys are already exact in the cache: nothing to commit
         self.phase = torch.where(to_commit, COMMIT, self.phase)
-        self.phase = torch.where(self._is_final(), DONE, self.phase)  # a final row needs no commit
+        self.phase = torch.where(self.is_final(), DONE, self.phase)  # a final row needs no commit
         if bool((self.phase == DONE).all()):
             self.is_finished, self.kv = True, None
 
-    def _is_final(self) -> torch.Tensor:
+    def is_final(self) -> torch.Tensor:
         """(B,) rows whose completion can no longer change (`final_rows`; with ignore_eos, no stops)."""
         stops = self.stop_ids[:0] if self.params.ignore_eos else self.stop_ids
-        return final_rows(self._settled(), self.mask_id, stops)
+        return final_rows(self.settled(), self.mask_id, stops)
 
-    def _settled(self) -> torch.Tensor:
+    def settled(self) -> torch.Tensor:
         """The completions, with the tokens token editing may still change shown as masks."""
         if self.editing is None:
             return self.completions()
@@ -287,5 +304,5 @@ class BlockDiffusionDecoder(Decoder):
         return self.canvas[:, W:W + self.params.max_tokens]
 
     def _output(self) -> StepOutput:
-        return prefix_step_output(self, self._settled(), self.lengths, self.mask_id, self.stop_ids, self.row_nfe,
+        return prefix_step_output(self, self.settled(), self.lengths, self.mask_id, self.stop_ids, self.row_nfe,
                                   self.include_canvas, finished=self.phase == DONE, canvas=self.completions())

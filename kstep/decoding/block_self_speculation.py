@@ -17,9 +17,8 @@ packed by the engine.
 import torch
 
 from kstep.decoding.base import Decoder, prefix_step_output
-from kstep.decoding.block_diffusion import COMMIT, DENOISE, DONE, BlockDiffusionDecoder
-from kstep.decoding.block_unmask import block_scores, choose_in_block
-from kstep.decoding.sampling import constrain
+from kstep.decoding.block_diffusion import COMMIT, DENOISE, DONE
+from kstep.decoding.exact_step import BlockExactStep
 from kstep.decoding.self_speculation import count_breaks
 from kstep.outputs import StepOutput
 from kstep.runner.model_runner import ForwardPass, asking
@@ -27,7 +26,7 @@ from kstep.runner.pass_output import PassOutput
 
 
 class BlockSelfSpeculativeDecoder(Decoder):
-    def __init__(self, exact: BlockDiffusionDecoder, num_draft_tokens: int):
+    def __init__(self, exact: BlockExactStep, num_draft_tokens: int):
         self.exact, self.num_draft = exact, num_draft_tokens
         B, bs, device = exact.canvas.shape[0], exact.params.block_length, exact.canvas.device
         self.has_pred = torch.zeros(B, dtype=torch.bool, device=device)  # predictions of the current block
@@ -84,11 +83,11 @@ class BlockSelfSpeculativeDecoder(Decoder):
         if "exact" in outputs:
             self._exact_pass(outputs["exact"])
         self._draft(ex.phase == DENOISE)
-        ex._update_phases()
+        ex.update_phases()
         self.has_pred &= ex.phase == DENOISE
         self.verified &= self.has_pred[:, None]
         self.is_finished = ex.is_finished
-        return prefix_step_output(self, ex._settled(), ex.lengths, ex.mask_id, ex.stop_ids, ex.row_nfe,
+        return prefix_step_output(self, ex.settled(), ex.lengths, ex.mask_id, ex.stop_ids, ex.row_nfe,
                                   ex.include_canvas, finished=ex.phase == DONE, canvas=ex.completions())
 
     def _exact_pass(self, out: PassOutput) -> None:
@@ -96,11 +95,11 @@ class BlockSelfSpeculativeDecoder(Decoder):
         predictions of each block that starts (its prefix copied to the row's draft caches)."""
         ex, commit, starting = self.exact, self.committing, self.starting
         ex.row_nfe += commit | starting
-        ex._commit(out[:, -1], commit)
+        ex.commit(out[:, -1], commit)
         if not bool(starting.any()):
             return
         rows = torch.arange(len(starting), device=starting.device)
-        tokens, confidence = self._scores(ex._block_outputs(out, torch.zeros_like(ex.phase)), rows)
+        tokens, confidence = self._scores(ex.block_outputs(out, torch.zeros_like(ex.phase)), rows)
         self.tokens[starting], self.confidence[starting] = tokens[starting], confidence[starting]
         self.has_pred |= starting
         K = self.num_draft
@@ -118,21 +117,8 @@ class BlockSelfSpeculativeDecoder(Decoder):
 
     def _scores(self, block: PassOutput, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and confidence (R, bs) from outputs (R, bs) predicting the blocks of batch rows `rows`."""
-        ex, p = self.exact, self.exact.params
-        positions = ex.block_starts[rows, None] + torch.arange(p.block_length, device=rows.device)
-        allowed = None if ex.first_allowed is None else ex.first_allowed[rows]
-        block = constrain(block, positions - ex.prompt_lengths[rows, None], ex.stop_ids, p.min_tokens, allowed)
-        tokens, _, confidence = block_scores(block, p, ex.mask_id, ex.rule, ex.generator)
+        tokens, _, confidence = self.exact.block_scores(block, rows)
         return tokens, confidence
-
-    def _step(self, blocks: torch.Tensor, tokens: torch.Tensor, confidence: torch.Tensor, passes: torch.Tensor,
-              live: torch.Tensor) -> torch.Tensor:
-        """The exact sampler's step on blocks (R, bs) at their passes in the block (R,), for `live` rows."""
-        ex = self.exact
-        count = torch.ones_like(passes) if ex.schedule is None else \
-            ex.schedule[passes.clamp(max=len(ex.schedule) - 1)]
-        chosen = choose_in_block(blocks, confidence, live, count, ex.params, ex.mask_id)
-        return torch.where(chosen, tokens, blocks)
 
     def _has_masks(self, blocks: torch.Tensor) -> torch.Tensor:
         return (blocks == self.exact.mask_id).any(-1)
@@ -147,7 +133,7 @@ class BlockSelfSpeculativeDecoder(Decoder):
         alive = rows & self.has_pred & self._has_masks(block)
         chain, in_chain = [], []
         for k in range(K):
-            block = self._step(block, self.tokens, self.confidence, ex.passes_in_block + k, alive)
+            block = self.exact.block_step(block, self.tokens, self.confidence, ex.passes_in_block + k, alive)
             chain.append(block)
             in_chain.append(alive)
             alive = alive & self._has_masks(block)
@@ -159,10 +145,10 @@ class BlockSelfSpeculativeDecoder(Decoder):
         becomes the last kept one, whose predictions start its next chain."""
         ex, (B, K, bs) = self.exact, self.chain.shape
         rows = torch.arange(B, device=out.device).repeat_interleave(K)  # each pass row's batch row
-        tokens, confidence = self._scores(ex._block_outputs(out, torch.zeros_like(rows)), rows)
+        tokens, confidence = self._scores(ex.block_outputs(out, torch.zeros_like(rows)), rows)
         tokens, confidence = tokens.view(B, K, bs), confidence.view(B, K, bs)
         passes = ex.passes_in_block[:, None] + torch.arange(1, K + 1, device=out.device)  # (B, K)
-        exact_next = self._step(self.chain.reshape(-1, bs), tokens.reshape(-1, bs), confidence.reshape(-1, bs),
+        exact_next = self.exact.block_step(self.chain.reshape(-1, bs), tokens.reshape(-1, bs), confidence.reshape(-1, bs),
                                 passes.reshape(-1), self.verified.reshape(-1)).view(B, K, bs)
         agrees = (exact_next[:, :-1] == self.chain[:, 1:]).all(-1) & self.in_chain[:, 1:] & \
             self._has_masks(self.chain[:, :-1])
@@ -177,12 +163,12 @@ class BlockSelfSpeculativeDecoder(Decoder):
         ex.canvas.scatter_(1, index, torch.where(live[:, None], self.chain[b, kept], ex.canvas.gather(1, index)))
         ex.passes_in_block += torch.where(live, kept + 1, 0)
         done = live & ~self._has_masks(self.chain[b, kept])  # its kept draft finished the block: the commit ran
-        finished = done & ex._is_final()  # a final row needs no commit (nor a next block)
+        finished = done & ex.is_final()  # a final row needs no commit (nor a next block)
         done = done & ~finished
         if bool(done.any()):
             src = (b * K + kept)[done].tolist()
             ex.runner.copy_kv(self.draft_kv, ex.kv, src, b[done].tolist())
-            ex._commit(out[b * K + kept][:, -1], done)  # the next block, and a shifted model's first token
+            ex.commit(out[b * K + kept][:, -1], done)  # the next block, and a shifted model's first token
         more = live & ~done & ~finished  # its last kept draft still has masks: its predictions go on
         self.tokens = torch.where(more[:, None], tokens[b, kept], self.tokens)
         self.confidence = torch.where(more[:, None], confidence[b, kept], self.confidence)

@@ -1,5 +1,5 @@
 """One unmask step of a block-diffusion block (decoding/block_diffusion.py): which masks a pass
-fills, and, with token editing, which filled tokens it replaces.
+fills (token editing's replacements of filled tokens are token_editing.py's).
 
 Among the masks of the block (Fast-dLLM v2: of its first sub-block that still has one), every one
 whose confidence is above the threshold (strict, as the references), when at least the count are;
@@ -11,7 +11,6 @@ tempered, top-k/top-p filtered distribution it was drawn from, as all three refe
 import torch
 
 from kstep.decoding.sampling import pick_tokens
-from kstep.decoding.token_editing import TokenEditing
 from kstep.decoding.unmask import ConfidenceRule, choose_top, sampled_probability
 from kstep.params import GenerationParams
 from kstep.runner.pass_output import PassOutput
@@ -49,16 +48,3 @@ def choose_in_block(block: torch.Tensor, confidence: torch.Tensor, rows: torch.T
         above = confidence > params.policy.value
         chosen = torch.where((above.sum(-1) >= count)[:, None], above, chosen)
     return chosen & is_masked
-
-
-def unmask_block(block: torch.Tensor, out: PassOutput, rows: torch.Tensor, count: torch.Tensor,
-                 params: GenerationParams, mask_id: int, rule: ConfidenceRule, generator: torch.Generator | None,
-                 editing: TokenEditing | None, editable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """block (B, bs) ids, a pass's outputs (B, bs) predicting them, `rows` (B,) that step, `count` (B,) the
-    schedule's minimum, `editable` (B, bs) what token editing may replace -> (tokens (B, bs),
-    chosen (B, bs)): where the block takes `tokens`."""
-    tokens, probs, confidence = block_scores(out, params, mask_id, rule, generator)
-    chosen = choose_in_block(block, confidence, rows, count, params, mask_id)
-    if editing is not None:
-        chosen |= editing.edits(block, tokens, probs, block == mask_id, editable, rows)
-    return tokens, chosen

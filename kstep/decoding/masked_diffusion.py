@@ -33,6 +33,7 @@ serving engine.
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, prefix_step_output
+from kstep.decoding.exact_step import CanvasExactStep
 from kstep.decoding.sampling import constrain, pick_tokens
 from kstep.decoding.unmask import confidence_rule, make_policy, top_request
 from kstep.outputs import StepOutput
@@ -55,7 +56,7 @@ def fill_after_stop(completions: torch.Tensor, stop_ids: torch.Tensor, mask_id: 
     completions.copy_(torch.where(is_final[:, None] & is_mask, stop_token, completions))
 
 
-class DiffusionDecoder(Decoder):
+class DiffusionDecoder(Decoder, CanvasExactStep):
     """Decodes one canvas batch (B rows with the same settings), block by block, one step per pass."""
     logits_shift = 0  # a pass reads the block's predictions at [start, end) - shift (Dream's: 1)
     is_block_sampler = False  # Dream's cached sampler: a block's first pass commits its first token
@@ -87,6 +88,7 @@ class DiffusionDecoder(Decoder):
         rows = B * (2 if p.cfg_scale > 0 else 1)
         self.kv = None if p.cache == "none" else runner.allocate_kv(rows, self.canvas.shape[1])
         self.block_idx, self.step_idx, self.nfe = 0, 0, 0
+        self.columns = self.drawn_over = None  # the last pass's (next_passes)
         # Per row, the passes in which it unmasked something: what it would have taken alone (in a
         # batch a row idles while the others finish a block; those passes change nothing in it).
         self.row_nfe = torch.zeros(B, dtype=torch.long, device=prompts.device)
@@ -182,6 +184,10 @@ class DiffusionDecoder(Decoder):
             fill_after_stop(canvas[:, self.prompt_len:self.prompt_len + self.params.max_tokens], self.stop_ids,
                             self.mask_id)
         return chosen
+
+    def end_block(self) -> None:
+        self.step_idx = 0
+        self._advance()
 
     def _advance(self) -> None:
         """Move past every block with no masks left (a block ends when it has none)."""

@@ -30,7 +30,7 @@ decoder's (`scores` and `step` of masked_diffusion.py / dream.py), so the two ca
 import torch
 
 from kstep.decoding.base import Decoder, prefix_step_output
-from kstep.decoding.masked_diffusion import DiffusionDecoder
+from kstep.decoding.exact_step import CanvasExactStep
 from kstep.outputs import StepOutput
 from kstep.runner.model_runner import ForwardPass, asking
 from kstep.runner.pass_output import PassOutput
@@ -50,7 +50,7 @@ def count_breaks(chain: torch.Tensor, exact_next: torch.Tensor, in_chain: torch.
 
 
 class SelfSpeculativeDecoder(Decoder):
-    def __init__(self, exact: DiffusionDecoder, num_draft_tokens: int):
+    def __init__(self, exact: CanvasExactStep, num_draft_tokens: int):
         self.exact, self.num_draft = exact, num_draft_tokens
         B, device = exact.canvas.shape[0], exact.canvas.device
         self.step_idx = torch.zeros(B, dtype=torch.long, device=device)  # each row's steps in the block
@@ -113,7 +113,7 @@ class SelfSpeculativeDecoder(Decoder):
         [out] = outputs
         ex, self.nfe = self.exact, self.nfe + 1
         if self.chain is None:
-            candidates, confidence = ex.scores(out, ex.columns, getattr(ex, "drawn_over", None))
+            candidates, confidence = ex.scores(out, ex.columns, ex.drawn_over)
             has_masks = self._has_masks(ex.canvas)
             self.row_nfe += has_masks
             if ex.is_block_sampler and ex.step_idx == 0:
@@ -129,8 +129,7 @@ class SelfSpeculativeDecoder(Decoder):
             self._verify(*ex.scores(verified, columns, rows=rows))
         self._apply_lone_steps()
         if not bool(self._has_masks(ex.canvas).any()):  # every row has finished the block
-            ex.step_idx = 0
-            ex._advance()
+            ex.end_block()
             self.is_finished, self.chain = ex.is_finished, None
             self.step_idx.zero_()
             if self.is_finished:
