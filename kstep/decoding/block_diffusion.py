@@ -29,7 +29,7 @@ attended) after theirs. Rows keep their own blocks: every pass is one ragged pas
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, final_rows, prefix_step_output
-from kstep.decoding.block_unmask import block_scores, choose_in_block, open_columns
+from kstep.decoding.block_unmask import block_scores, choose_in_block, open_columns, scheduled
 from kstep.decoding.exact_step import BlockExactStep
 from kstep.decoding.sampling import constrain
 from kstep.decoding.schedule import num_transfer_tokens
@@ -48,9 +48,7 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
 
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
                  resources: DecoderResources = DecoderResources()):
-        rules, prefix_cache = resources.rules, resources.prefix_cache
-        if rules is None:
-            raise RuntimeError("internal: a block-diffusion decoder needs its family's BlockRules")
+        rules, prefix_cache = resources.rules, resources.prefix_cache  # (decoding/table.py gives the family's rules)
         self.runner, self.params, self.rules = runner, params, rules
         self.mask_id, self.stop_ids, self.generator = batch.mask_id, batch.stop_ids, batch.generator
         self.include_canvas, self.first_allowed = batch.include_canvas, batch.first_allowed
@@ -96,8 +94,6 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
         self.row_nfe = torch.zeros(B, dtype=torch.long, device=device)
         self.nfe, self.is_finished = 0, False
         self.lengths = [0] * B  # committed tokens reported per row
-
-    # --- the passes -------------------------------------------------------------------------------
 
     def next_passes(self) -> list[ForwardPass]:
         return asking(self._next_passes(), self.top)
@@ -230,7 +226,7 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
         block = self.canvas.gather(1, index)
         positions = self.block_starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
         tokens, probs, confidence = self.block_scores(out, torch.arange(len(rows), device=rows.device))
-        count = self.scheduled(self.passes_in_block)
+        count = scheduled(self.schedule, self.passes_in_block)
         if already is not None:
             count = (count - already).clamp(min=0)
         chosen = choose_in_block(block, confidence, rows, count, p, self.mask_id)
@@ -239,10 +235,6 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
             chosen |= self.editing.edits(block, tokens, probs, block == self.mask_id, editable, rows)
         self.canvas.scatter_(1, index, torch.where(chosen, tokens, block))
         self.passes_in_block += rows
-
-    def scheduled(self, passes: torch.Tensor) -> torch.Tensor:
-        """(R,) the least a pass unmasks at each row's `passes` (R,) in its block: the schedule's count, else 1."""
-        return torch.ones_like(passes) if self.schedule is None else self.schedule[passes.clamp(max=len(self.schedule) - 1)]
 
     def block_scores(self, out: PassOutput, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = self.params
@@ -253,7 +245,7 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
 
     def block_step(self, blocks: torch.Tensor, tokens: torch.Tensor, confidence: torch.Tensor, passes: torch.Tensor,
                    live: torch.Tensor) -> torch.Tensor:
-        chosen = choose_in_block(blocks, confidence, live, self.scheduled(passes), self.params, self.mask_id)
+        chosen = choose_in_block(blocks, confidence, live, scheduled(self.schedule, passes), self.params, self.mask_id)
         return torch.where(chosen, tokens, blocks)
 
     def commit(self, last: PassOutput, rows: torch.Tensor) -> None:

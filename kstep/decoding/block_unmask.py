@@ -36,6 +36,11 @@ def block_scores(out: PassOutput, params: GenerationParams, mask_id: int, rule: 
     return tokens, probs, confidence
 
 
+def scheduled(schedule: torch.Tensor | None, passes: torch.Tensor) -> torch.Tensor:
+    """(R,) the least a pass unmasks at each row's `passes` (R,) in its block: the schedule's count, else 1."""
+    return torch.ones_like(passes) if schedule is None else schedule[passes.clamp(max=len(schedule) - 1)]
+
+
 def choose_in_block(block: torch.Tensor, confidence: torch.Tensor, rows: torch.Tensor, count: torch.Tensor,
                     params: GenerationParams, mask_id: int) -> torch.Tensor:
     """(B, bs) the masks a pass fills: among the open sub-block's, for `rows` (B,), every one above
