@@ -264,14 +264,15 @@ class LLM:
         if "planned_passes" in timings and len(batch) == 1:  # a planned request, alone: how far plans scatter here
             self.pass_costs.observe_outcome(timings["predicted_seconds"], timings["planned_passes"], seconds,
                                             decoder.nfe)
-        timings = {"decode_seconds": seconds, **timings, "batch_passes": decoder.nfe, **decoder.stats()}
+        timings = {"decode_seconds": seconds, **timings, "batch_passes": decoder.nfe}
         results = []
-        for prompt, (_, given_back, _), row, nfe in zip(batch, healed, rows, row_nfe, strict=True):
+        for b, (prompt, (_, given_back, _), row, nfe) in enumerate(zip(batch, healed, rows, row_nfe, strict=True)):
             tokens, reason = self.cut_at_stop(row, params.ignore_eos)
             text = self.tokenizer.decode(tokens) if self.tokenizer else None
             if text is not None and given_back and text.startswith(given_back):
                 text = text[len(given_back):]  # it was the prompt's: the completion is what follows
-            results.append(GenerationResult(tokens, reason, nfe, seconds, len(prompt), text, dict(timings)))
+            results.append(GenerationResult(tokens, reason, nfe, seconds, len(prompt), text,
+                                            {**timings, **decoder.stats(b)}))  # its own drafts' figures
         return results
 
 

@@ -29,7 +29,7 @@ class GenerationResult:
     seconds: float                   # generation time, excluding loading
     prompt_tokens: int
     text: str | None = None          # when the checkpoint has a tokenizer
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float | str] = field(default_factory=dict)
 
     @property
     def completion_tokens(self) -> int:

@@ -32,7 +32,7 @@ def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None
     (["--remasking", "best"], ["remasking", "best"]),
     (["--dtype", "int3"], ["dtype", "int3"]),
     (["--max-tokens", "0"], ["max_tokens"]),
-    (["--exact", "--cache", "dual"], ["exact", "no cache"]),
+    (["--exact", "--threshold", "0.5"], ["threshold", "exact"]),
 ])
 def test_cli_rejects_bad_generation_input(llada_path, args, needles):
     mask_id = json.loads((llada_path / "config.json").read_text())["mask_token_id"]

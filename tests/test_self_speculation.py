@@ -74,6 +74,40 @@ def test_with_a_cache_it_gives_the_cached_samplers_tokens(tmp_path, family):
         assert got[0].timings["batch_passes"] <= want[0].nfe
 
 
+def test_with_a_cache_it_equals_exact_with_that_cache_which_runs_alone(llada_path):
+    """The sampler a self-speculative run equals is one a user can run: `exact` with the same cache,
+    and each result says which it is."""
+    llm = kstep.load(llada_path)
+    for cache in ("none", "dual", "prefix"):
+        want = llm.generate(PROMPTS, max_tokens=32, block_length=16, exact=True, cache=cache)
+        got = llm.generate(PROMPTS, max_tokens=32, block_length=16, draft="self", cache=cache)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want], cache
+        assert {r.timings["equals"] for r in got} == {"exact" if cache == "none" else f"exact, cache {cache}"}
+    with pytest.raises(ValueError, match="threshold"):
+        llm.generate(PROMPTS, max_tokens=32, exact=True, cache="dual", threshold=0.5)
+
+
+def test_each_row_reports_its_own_drafts(llada_path, tmp_path):
+    """A batch's rows draft apart: each result's drafts are its row's, as it would have them alone,
+    its positions those its passes computed (alone, unpadded, no more), and the CLI's JSON lines say so too."""
+    llm = kstep.load(llada_path)
+    keys = ("acceptance_rate", "drafted_tokens", "accepted_tokens")
+    batch = llm.generate(PROMPTS, max_tokens=32, draft="self", num_draft_tokens=3)
+    alone = [llm.generate([p], max_tokens=32, draft="self", num_draft_tokens=3)[0] for p in PROMPTS]
+    assert [[r.timings[k] for k in keys] for r in batch] == [[r.timings[k] for k in keys] for r in alone]
+    assert len({r.timings["drafted_tokens"] for r in batch}) > 1  # the rows differ: not the batch's figure
+    for b, a in zip(batch, alone):
+        assert a.timings["positions_computed"] <= b.timings["positions_computed"]  # (left padding in the batch)
+    done = subprocess.run([sys.executable, "-m", "kstep", "generate", "--prompt-ids", "5,6,7,8", "--prompt-ids",
+                           "21,22", "--model", str(llada_path), "--draft", "self", "--num-draft-tokens", "3", "--max-tokens", "32",
+                           "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line)["timings"] for line in done.stdout.splitlines()]
+    assert [row["drafted_tokens"] for row in rows] == [batch[0].timings["drafted_tokens"],
+                                                       batch[2].timings["drafted_tokens"]]
+
+
 def test_infilling_with_self_speculation(llada_path):
     llm = kstep.load(llada_path)
     same_as_exact(llm, [[5, 6, 7]], {"max_tokens": 16}, suffix=[30, 31, 32])
@@ -95,7 +129,6 @@ def test_fewer_passes_on_the_trained_coders(model):
     ({"temperature": 0.5}, "temperature"),
     ({"remasking": "random"}, "remasking"),
     ({"threshold": 0.9}, "threshold"),
-    ({"exact": True, "cache": "dual"}, "cache"),
     ({"cfg_scale": 0.5}, "cfg_scale"),
 ])
 def test_bad_values_are_refused_naming_the_field(llada_path, settings, needle):

@@ -170,7 +170,7 @@ BAD_REQUESTS = [
      400, "max_tokens"),
     ("bad kstep knob", {"model": "tiny", "prompt": "x", "cache": "huge"}, 400, "cache"),
     ("bad threshold", {"model": "tiny", "prompt": "x", "threshold": 2}, 400, "threshold"),
-    ("exact with a cache", {"model": "tiny", "prompt": "x", "exact": True, "cache": "dual"}, 400, "exact"),
+    ("exact with a threshold", {"model": "tiny", "prompt": "x", "exact": True, "threshold": 0.5}, 400, "threshold"),
     ("min_tokens above max_tokens", {"model": "tiny", "prompt": "x", "max_tokens": 8, "min_tokens": 9}, 400,
      "min_tokens"),
     ("steps do not divide", {"model": "tiny", "prompt": "x", "max_tokens": 64, "steps": 3}, 400, "steps"),

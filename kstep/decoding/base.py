@@ -91,8 +91,9 @@ class Decoder(ABC):
     def update(self, logits: list[torch.Tensor]) -> StepOutput:
         """Apply the step given each pass's logits, in the order `next_passes` returned them."""
 
-    def stats(self) -> dict[str, float]:
-        """Decoder-specific figures for the result's timings (e.g. draft acceptance)."""
+    def stats(self, row: int | None = None) -> dict[str, float | str]:
+        """Decoder-specific figures for the result's timings (e.g. draft acceptance): the batch's, or
+        row `row`'s own where the decoder counts them per row."""
         return {}
 
 

@@ -19,7 +19,7 @@ import torch
 from kstep.decoding.base import Decoder, prefix_step_output
 from kstep.decoding.block_diffusion import COMMIT, DENOISE, DONE
 from kstep.decoding.exact_step import BlockExactStep
-from kstep.decoding.self_speculation import count_breaks
+from kstep.decoding.draft_tally import DraftTally
 from kstep.outputs import StepOutput
 from kstep.runner.model_runner import ForwardPass, asking
 from kstep.runner.pass_output import PassOutput
@@ -36,8 +36,7 @@ class BlockSelfSpeculativeDecoder(Decoder):
         self.draft_kv = None  # (B * K rows): allocated with the first drafts
         self.kinds: list[str] = []
         self.nfe, self.is_finished = 0, exact.is_finished
-        self.num_drafted = self.num_accepted = self.num_positions = 0
-        self.breaks = [0, 0]  # drafts that broke on another position, on another token
+        self.tally = DraftTally(B, device, "exact")
 
     # --- the passes -------------------------------------------------------------------------------
 
@@ -53,10 +52,12 @@ class BlockSelfSpeculativeDecoder(Decoder):
             if not ex.needs_prefill:
                 passes[-1].logits_columns, ex.columns = None, None  # every position: drafts read the whole block
             self.kinds.append("exact")
+            self.tally.count_pass(passes[-1])
         if bool(self.verified.any()):
             passes.append(self._draft_pass())
             self.kinds.append("drafts")
-        self.num_positions += sum(p.num_tokens for p in passes)
+            self.tally.count_pass(passes[-1], torch.arange(len(self.verified), device=self.verified.device)
+                                  .repeat_interleave(self.num_draft))
         return passes
 
     def _draft_pass(self) -> ForwardPass:
@@ -154,10 +155,7 @@ class BlockSelfSpeculativeDecoder(Decoder):
             self._has_masks(self.chain[:, :-1])
         kept = agrees.long().cumprod(-1).sum(-1)  # (B,) drafts kept beyond the first
         live = self.in_chain[:, 0]
-        self.num_drafted += int((self.in_chain[:, 1:].sum(-1) * live).sum())
-        self.num_accepted += int((kept * live).sum())
-        self.breaks = [a + b for a, b in zip(self.breaks, count_breaks(self.chain, exact_next, self.in_chain, kept,
-                                                                      live))]
+        self.tally.count_round(self.chain, exact_next, self.in_chain, kept)
         b = torch.arange(B, device=kept.device)
         index = self._block_index(b)
         ex.canvas.scatter_(1, index, torch.where(live[:, None], self.chain[b, kept], ex.canvas.gather(1, index)))
@@ -174,9 +172,6 @@ class BlockSelfSpeculativeDecoder(Decoder):
         self.confidence = torch.where(more[:, None], confidence[b, kept], self.confidence)
         self.has_pred = (self.has_pred & ~live) | more
 
-    def stats(self) -> dict[str, float]:
-        """Drafts offered beyond each pass's exact step and those kept, and the positions computed."""
-        return {"acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
-                "drafted_tokens": self.num_drafted, "accepted_tokens": self.num_accepted,
-                "positions_computed": self.num_positions, "broke_on_position": self.breaks[0],
-                "broke_on_token": self.breaks[1]}
+    def stats(self, row: int | None = None) -> dict[str, float | str]:
+        """The drafts' figures (draft_tally.py), of the batch or of row `row`."""
+        return self.tally.stats(row)

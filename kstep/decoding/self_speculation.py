@@ -30,23 +30,11 @@ decoder's (`scores` and `step` of masked_diffusion.py / dream.py), so the two ca
 import torch
 
 from kstep.decoding.base import Decoder, prefix_step_output
+from kstep.decoding.draft_tally import DraftTally
 from kstep.decoding.exact_step import CanvasExactStep
 from kstep.outputs import StepOutput
 from kstep.runner.model_runner import ForwardPass, asking
 from kstep.runner.pass_output import PassOutput
-
-
-def count_breaks(chain: torch.Tensor, exact_next: torch.Tensor, in_chain: torch.Tensor, kept: torch.Tensor,
-                 live: torch.Tensor) -> tuple[int, int]:
-    """Where each live row's drafts broke (chain (B, K, L), the exact step from each (B, K, L), kept
-    (B,)): (rows whose exact step filled other positions than the next draft, rows where it filled the
-    same positions with other tokens). A row whose drafts all held is in neither."""
-    b = torch.arange(chain.shape[0], device=chain.device)
-    broke = live & (kept + 1 < chain.shape[1]) & in_chain[b, (kept + 1).clamp(max=chain.shape[1] - 1)]
-    at = kept.clamp(max=chain.shape[1] - 2)
-    base, drafted, exact = chain[b, at], chain[b, at + 1], exact_next[b, at]  # (B, L) each
-    same_places = ((drafted != base) == (exact != base)).all(-1)
-    return int((broke & ~same_places).sum()), int((broke & same_places).sum())
 
 
 class SelfSpeculativeDecoder(Decoder):
@@ -59,8 +47,8 @@ class SelfSpeculativeDecoder(Decoder):
         self.in_chain = self.verified = torch.zeros(B, num_draft_tokens, dtype=torch.bool, device=device)
         self.draft_kv = None  # with a cache: K rows per batch row, allocated with the first drafts
         self.nfe, self.is_finished = 0, exact.is_finished
-        self.num_drafted = self.num_accepted = self.num_positions = 0
-        self.breaks = [0, 0]  # drafts that broke on another position, on another token
+        cache = exact.params.cache
+        self.tally = DraftTally(B, device, "exact" if cache in (None, "none") else f"exact, cache {cache}")
 
     # --- the passes -------------------------------------------------------------------------------
 
@@ -68,28 +56,30 @@ class SelfSpeculativeDecoder(Decoder):
         if self.is_finished:
             return []
         if self.chain is None:  # a block's first pass: the exact sampler's own
-            passes = self.exact.next_passes()
+            [forward] = self.exact.next_passes()
+            self.tally.count_pass(forward)
         else:
-            passes = asking([self._draft_pass()], self.exact.top)
-        self.num_positions += sum(p.num_tokens for p in passes)
-        return passes
+            forward, owners = self._draft_pass()
+            self.tally.count_pass(forward, owners)
+        return asking([forward], self.exact.top)
 
-    def _draft_pass(self) -> ForwardPass:
+    def _draft_pass(self) -> tuple[ForwardPass, torch.Tensor]:
         """Without a cache, the drafts still masked somewhere in the block, one canvas row each
         (row-major: a row's drafts in order); with one, every draft (B * K rows) as a window pass on
-        its own copy of its row's cache."""
+        its own copy of its row's cache. With the batch row each of the pass's rows belongs to."""
         ex, K = self.exact, self.num_draft
         (start, end), shift = ex.block, ex.logits_shift
         if ex.kv is None:
             rows = self.verified.nonzero()[:, 0]
             key_mask = None if ex.key_mask is None else ex.key_mask[rows]
-            return ex.runner.full_pass(self.chain[self.verified], key_mask, start - shift, end - shift)
+            return ex.runner.full_pass(self.chain[self.verified], key_mask, start - shift, end - shift), rows
         B, _, L = self.chain.shape
         key_mask = None if ex.key_mask is None else ex.key_mask.repeat_interleave(K, 0)
         window_end = L if ex.params.cache == "prefix" else end
         # Dream's window row j - 1 predicts block column j; its column 0 was committed at the block start
-        return ex.runner.window_pass(self.chain.reshape(B * K, L), key_mask, start, window_end, L,
-                                     end - start - shift, self.draft_kv)
+        forward = ex.runner.window_pass(self.chain.reshape(B * K, L), key_mask, start, window_end, L,
+                                        end - start - shift, self.draft_kv)
+        return forward, torch.arange(B, device=self.chain.device).repeat_interleave(K)
 
     def _verified_outputs(self, out: PassOutput) -> tuple[PassOutput, torch.Tensor]:
         """The verification pass's outputs of the verified drafts (R, t), and the block columns they predict."""
@@ -175,10 +165,7 @@ class SelfSpeculativeDecoder(Decoder):
         agrees = (exact_next[:, :-1] == self.chain[:, 1:]).all(-1) & self.in_chain[:, 1:] & self.verified[:, :-1]
         kept = agrees.long().cumprod(-1).sum(-1)  # (B,) drafts kept beyond the first
         live = self.in_chain[:, 0]
-        self.num_drafted += int((self.in_chain[:, 1:].sum(-1) * live).sum())
-        self.num_accepted += int((kept * live).sum())
-        self.breaks = [a + b for a, b in zip(self.breaks, count_breaks(self.chain, exact_next, self.in_chain, kept,
-                                                                      live))]
+        self.tally.count_round(self.chain, exact_next, self.in_chain, kept)
         last = self.chain[torch.arange(B, device=kept.device), kept]  # (B, L)
         ex.canvas.copy_(torch.where(live[:, None], last, ex.canvas))
         self.step_idx += torch.where(live, kept + 1, 0)
@@ -196,9 +183,7 @@ class SelfSpeculativeDecoder(Decoder):
             self.in_chain = self.in_chain & ~lone[:, None]
             self.verified = self.verified & ~lone[:, None]
 
-    def stats(self) -> dict[str, float]:
-        """Drafts offered beyond each pass's exact step and those kept, and the positions computed."""
-        return {"acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
-                "drafted_tokens": self.num_drafted, "accepted_tokens": self.num_accepted,
-                "positions_computed": self.num_positions, "broke_on_position": self.breaks[0],
-                "broke_on_token": self.breaks[1]}
+    def stats(self, row: int | None = None) -> dict[str, float | str]:
+        """Drafts offered beyond each pass's exact step and those kept, and the positions computed
+        (draft_tally.py), of the batch or of row `row`; `equals`: the sampler whose tokens these are."""
+        return self.tally.stats(row)

@@ -107,7 +107,7 @@ class SpeculativeDecoder(Decoder):
         self.row_finished = [False] * B
         self.row_nfe = [0] * B
         self.nfe, self.is_finished = 0, False
-        self.num_proposed, self.num_kept = 0, 0
+        self.num_proposed, self.num_kept = [0] * B, [0] * B  # per row
         self.drafts: torch.Tensor | None = None
         self.draft_probs: torch.Tensor | None = None
 
@@ -167,8 +167,9 @@ class SpeculativeDecoder(Decoder):
             drafts, num_kept, following = self.drafts.tolist(), num_kept.tolist(), following.tolist()
             new = [d[:k] + [f] for d, k, f in zip(drafts, num_kept, following, strict=True)]
             live = [not f for f in self.row_finished]
-            self.num_proposed += self.drafts.shape[1] * sum(live)
-            self.num_kept += sum(k for k, alive in zip(num_kept, live, strict=True) if alive)
+            for b, (k, alive) in enumerate(zip(num_kept, live, strict=True)):
+                self.num_proposed[b] += self.drafts.shape[1] * alive
+                self.num_kept[b] += k * alive
         committed = []
         for b, tokens in enumerate(new):
             committed.append([])
@@ -196,8 +197,12 @@ class SpeculativeDecoder(Decoder):
         return StepOutput(committed, [len(o) for o in self.out], list(self.row_finished), list(self.row_nfe),
                           self.nfe, self.is_finished)
 
-    def stats(self) -> dict[str, float]:
-        return {"acceptance_rate": self.num_kept / self.num_proposed if self.num_proposed else 0.0,
-                "drafted_tokens": self.num_proposed, "accepted_tokens": self.num_kept,
-                "tokens_per_target_pass": sum(len(o) for o in self.out) / max(1, self.nfe) / len(self.out),
-                "draft_passes": self.drafter.num_passes}
+    def stats(self, row: int | None = None) -> dict[str, float]:
+        """Drafts proposed and kept and tokens per target pass (a row's: per pass it took), of the batch
+        or of row `row`; the draft passes are the batch's (every row runs in each)."""
+        rows = range(len(self.out)) if row is None else [row]
+        proposed, kept = sum(self.num_proposed[b] for b in rows), sum(self.num_kept[b] for b in rows)
+        per_pass = sum(len(o) for o in self.out) / max(1, self.nfe) / len(self.out) if row is None else \
+            len(self.out[row]) / max(1, self.row_nfe[row])
+        return {"acceptance_rate": kept / proposed if proposed else 0.0, "drafted_tokens": proposed,
+                "accepted_tokens": kept, "tokens_per_target_pass": per_pass, "draft_passes": self.drafter.num_passes}

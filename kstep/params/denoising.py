@@ -37,6 +37,9 @@ def resolve_block_diffusion(p: "GenerationParams") -> "GenerationParams":
     if p.block_length is None:
         raise ValueError("block_length: a block-diffusion model needs its block size (from its config)")
     exact = p.exact or p.draft == SELF_DRAFT  # self-speculation is the exact sampler's, in fewer passes
+    if p.exact and p.cache == "dual":
+        raise ValueError("cache 'dual': exact on a block model is its reference sampler, which caches its "
+                         "finished blocks and runs no block cache")
     if p.remasking == "entropy" and p.steps is None and not exact:
         raise ValueError("remasking 'entropy' scores negative entropy, which a threshold cannot compare: "
                          "give steps (a fixed schedule)")
@@ -67,17 +70,19 @@ def resolve_block_diffusion(p: "GenerationParams") -> "GenerationParams":
                    fused_commit=p.fused_commit and not exact, cache=p.cache or "none", exact=exact,
                    num_draft_tokens=drafts, is_resolved=True)
 
+
 def resolve_diffusion(p: "GenerationParams", whole_canvas_reference: bool) -> "GenerationParams":
     """Defaults: the dual cache, and the 0.9 confidence threshold unless `steps` or `factor`
     chooses the policy; `exact` turns both off (one forward pass per token unless steps). Checks
     the block/step arithmetic of LLaDA's sampler."""
-    # self-speculation is the fixed-schedule greedy sampler's, in fewer passes: the exact sampler's
-    # without a cache, and with a prefix or dual cache the same sampler run with that cache
+    # `exact` is the fixed schedule: without a cache the reference sampler, with a prefix or dual cache
+    # that schedule run with Fast-dLLM's cache; self-speculation gives its tokens in fewer passes
     speculative = p.draft == SELF_DRAFT
-    exact = p.exact or (speculative and p.cache in (None, "none"))
-    cache = "none" if exact else p.cache or DEFAULT_CACHE
+    exact = p.exact or speculative
+    uncached = exact and p.cache in (None, "none")
+    cache = "none" if uncached else p.cache or DEFAULT_CACHE
     block = p.block_length
-    if block is None and exact and whole_canvas_reference:
+    if block is None and uncached and whole_canvas_reference:
         block = p.max_tokens
     if block is None:
         block = DEFAULT_BLOCK_LENGTH if p.max_tokens % DEFAULT_BLOCK_LENGTH == 0 else p.max_tokens
@@ -96,7 +101,7 @@ def resolve_diffusion(p: "GenerationParams", whole_canvas_reference: bool) -> "G
         policy = UnmaskPolicy("threshold", p.threshold)
     elif p.factor is not None:
         policy = UnmaskPolicy("factor", p.factor)
-    elif p.steps is None and not exact and not speculative:
+    elif p.steps is None and not exact:
         if p.remasking == "entropy":
             raise ValueError("remasking 'entropy' scores negative entropy, which the default confidence "
                              "threshold cannot compare: give steps (a fixed schedule)")
@@ -108,4 +113,4 @@ def resolve_diffusion(p: "GenerationParams", whole_canvas_reference: bool) -> "G
     drafts = check_self_speculation(p, steps // num_blocks, DEFAULT_NUM_DRAFT_TOKENS, takes_cache=True)
     threshold = policy.value if policy.kind == "threshold" else None
     return replace(p, block_length=block, steps=steps, cache=cache, threshold=threshold, policy=policy,
-                   exact=exact, num_draft_tokens=drafts, is_resolved=True)
+                   exact=p.exact or uncached, num_draft_tokens=drafts, is_resolved=True)

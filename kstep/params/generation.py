@@ -65,7 +65,8 @@ class GenerationParams:
                                          "at least the schedule's count)", DENOISING)
     factor: float | None = knob(None, "Fast-dLLM's factor unmask rule", ("llada", "llada_moe"))
     exact: bool = knob(False, "the reference sampler: no cache, fixed schedule, one token per pass "
-                              "(or steps passes)", DENOISING)
+                              "(or steps passes); LLaDA/Dream with cache prefix or dual: that schedule run with "
+                              "Fast-dLLM's cache (what draft self with that cache equals)", DENOISING)
     alg_temp: float | None = knob(None, "Dream's alg_temp: sample which masks to unmask from "
                                         "softmax(confidence / alg_temp)", ("dream",))
     eps: float | None = knob(None, "Dream's eps: the schedule runs from t = 1 to eps (default: the "
@@ -152,9 +153,9 @@ class GenerationParams:
                              "scores negative entropy: use low_confidence, margin or random")
         if self.threshold is not None and self.factor is not None:
             raise ValueError("threshold and factor are two unmask policies: give one, not both")
-        if self.exact and (self.cache not in (None, "none") or self.threshold is not None or self.factor is not None):
-            raise ValueError("exact is the reference sampler (no cache, fixed schedule): it takes no cache, "
-                             "threshold or factor")
+        if self.exact and (self.threshold is not None or self.factor is not None):
+            raise ValueError(f"{'threshold' if self.threshold is not None else 'factor'}: exact is the reference "
+                             "sampler's fixed schedule, which takes no threshold or factor")
 
     @property
     def num_blocks(self) -> int:
