@@ -185,8 +185,14 @@ def test_mode_is_checked_and_each_mode_takes_its_own_knobs(models, llama_path):
         kstep.GenerationParams(mode="dlm")
     with pytest.raises(ValueError, match="mode does not apply to a llama model"):
         kstep.load(llama_path).generate("x", max_tokens=4, mode="ar")
-    with pytest.raises(ValueError, match="threshold does not apply to a nemotron_labs_diffusion model"):
+    with pytest.raises(ValueError, match=r"threshold does not apply to mode 'ar' of a nemotron_labs_diffusion model "
+                                          r"\(autoregressive decoding\); it is for diffusion / block-diffusion"):
         llm.generate("x", max_tokens=4, mode="ar", threshold=0.5)
+    with pytest.raises(ValueError, match="mode 'linear_spec' of a nemotron_labs_diffusion"):
+        llm.generate("x", max_tokens=4, mode="linear_spec", threshold=0.5)
+    # drafts belong to linear_spec: the refusal points there, not to a draft 'self' it would refuse too
+    with pytest.raises(ValueError, match="num_draft_tokens: mode 'diffusion' .* takes no drafts; .* mode 'linear_spec'"):
+        llm.generate("x", max_tokens=8, mode="diffusion", num_draft_tokens=3)
     assert llm.resolve(kstep.GenerationParams(mode="linear_spec")).num_draft_tokens == 7  # the block size - 1
     resolved = llm.resolve(kstep.GenerationParams())
     assert (resolved.mode, resolved.block_length, resolved.threshold) == ("diffusion", 8, 0.9)

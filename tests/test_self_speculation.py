@@ -132,12 +132,24 @@ def test_fewer_passes_on_the_trained_coders(model):
     ({"cfg_scale": 0.5}, "cfg_scale"),
 ])
 def test_bad_values_are_refused_naming_the_field(llada_path, settings, needle):
-    with pytest.raises(ValueError, match=needle):
+    with pytest.raises(ValueError, match=f"^{needle}"):  # the conflicting field first, not draft
         kstep.load(llada_path).generate([[5, 6]], max_tokens=32, draft="self", **settings)
 
 
+def test_over_http_the_refusal_names_the_field_that_conflicts(llada_server):
+    """A server's temperature defaults to OpenAI's 1.0: a threshold the request sent is what it hears
+    about first; with no other conflict, the temperature, and how to send it."""
+    with httpx.Client(timeout=60) as h:
+        for body, first in (({"threshold": 0.9}, "threshold 0.9"), ({}, "temperature 1.0")):
+            bad = h.post(llada_server + "/v1/completions", json={"model": "tiny", "prompt": "x", "draft": "self",
+                                                                 **body})
+            message = bad.json()["error"]["message"]
+            assert bad.status_code == 400 and message.startswith(first), message
+        assert "send temperature 0" in message
+
+
 def test_a_block_models_self_speculation_takes_no_cache(v2_path):
-    with pytest.raises(ValueError, match="takes no cache 'dual'"):
+    with pytest.raises(ValueError, match="cache 'dual': draft 'self' on a block model"):
         kstep.load(v2_path).generate([[5, 6]], max_tokens=8, draft="self", cache="dual")
 
 

@@ -157,6 +157,14 @@ class GenerationParams:
             raise ValueError(f"{'threshold' if self.threshold is not None else 'factor'}: exact is the reference "
                              "sampler's fixed schedule, which takes no threshold or factor")
 
+    def _not_applying(self, name: str, family: str, kind: str) -> str:
+        """Why knob `name` is refused for `family` (of `kind`): what it is for, in words that match the
+        request (a tri-mode model's kind is its mode's)."""
+        where = f"a {family} model ({kind})" if family not in TRI_MODE else \
+            f"mode {self.mode!r} of a {family} model ({kind} decoding)"
+        users = GenerationParams.__dataclass_fields__[name].metadata["families"]
+        return f"{name} does not apply to {where}; it is for {' / '.join(users)} decoding"
+
     @property
     def num_blocks(self) -> int:
         return self.max_tokens // self.block_length
@@ -171,10 +179,12 @@ class GenerationParams:
             return self
         for f in user_knobs():
             if not knob_applies(f.name, family, kind) and getattr(self, f.name) != f.default:
-                raise ValueError(f"{f.name} does not apply to a {family} model ({kind}); "
-                                 f"it is for {' / '.join(f.metadata['families'])} models")
+                raise ValueError(self._not_applying(f.name, family, kind))
         if self.draft and family in TRI_MODE:
             raise ValueError(f"draft 'self': a {family} model drafts for itself in mode '{SELF_SPECULATION}'")
+        if family in TRI_MODE and kind != AUTOREGRESSIVE and self.num_draft_tokens:
+            raise ValueError(f"num_draft_tokens: mode {self.mode!r} of a {family} model takes no drafts; it drafts "
+                             f"for itself in mode '{SELF_SPECULATION}' (num_draft_tokens there)")
         if kind == AUTOREGRESSIVE:
             draft_tokens = self.num_draft_tokens
             if draft_tokens is None:

@@ -62,18 +62,19 @@ def check_self_speculation(params, steps_per_block: int, default_drafts: int, ta
         if params.num_draft_tokens:
             raise ValueError("num_draft_tokens: a diffusion model drafts for itself: give draft 'self' too")
         return None
-    refused = {"temperature": params.temperature != 0, "remasking": params.remasking == "random",
-               "cfg_scale": params.cfg_scale != 0, "alg_temp": bool(params.alg_temp),
-               "time_budget": params.time_budget is not None}
+    # what the request chose itself first, then the sampling a server may default (OpenAI's temperature 1)
+    refused = {"threshold": params.threshold is not None, "factor": params.factor is not None,
+               "remasking": params.remasking == "random", "cfg_scale": params.cfg_scale != 0,
+               "alg_temp": bool(params.alg_temp), "time_budget": params.time_budget is not None,
+               "temperature": params.temperature != 0}
     for name, bad in refused.items():
         if bad:
-            raise ValueError(f"draft 'self' gives the exact greedy sampler's tokens in fewer passes: it takes no "
-                             f"{name} {getattr(params, name)!r}")
-    if params.threshold is not None or params.factor is not None:
-        raise ValueError("draft 'self' is the fixed schedule's sampler: it takes no threshold or factor")
+            raise ValueError(f"{name} {getattr(params, name)!r}: draft 'self' gives the exact sampler's tokens (a "
+                             f"fixed schedule, greedy: temperature 0) in fewer passes, so it takes no {name}"
+                             + (" (over HTTP, send temperature 0)" if name == "temperature" else ""))
     if params.cache not in (None, "none") and not takes_cache:
-        raise ValueError(f"draft 'self' on a block model is its exact sampler's: it takes no cache "
-                         f"{params.cache!r} (its finished blocks are cached either way)")
+        raise ValueError(f"cache {params.cache!r}: draft 'self' on a block model is its exact sampler's, which takes "
+                         "no cache (its finished blocks are cached either way)")
     drafts = default_drafts if params.num_draft_tokens is None else params.num_draft_tokens
     check_int("num_draft_tokens", drafts, 1, steps_per_block, f"[1, the {steps_per_block} passes of a block] "
               "with draft 'self'")
