@@ -328,3 +328,13 @@ def test_every_page_is_linked_from_the_readme():
 def test_readme_is_short():
     n = len((ROOT / "README.md").read_text().splitlines())
     assert n <= MAX_README_LINES, f"README.md has {n} lines (at most {MAX_README_LINES}): move the detail to docs/"
+
+
+def test_the_decoder_table_in_decoding_md_is_the_codes():
+    """docs/decoding.md holds `python -m kstep.decoding.table`'s output, as the code builds it now."""
+    from kstep.decoding.table import markdown
+    text = (ROOT / "docs" / "decoding.md").read_text()
+    found = re.search(r"<!-- decoder table: python -m kstep.decoding.table -->\n(.*?)\n<!-- end of the decoder table -->",
+                      text, re.S)
+    assert found, "docs/decoding.md lost its decoder table markers"
+    assert found.group(1).strip() == markdown().strip(), "regenerate it: python -m kstep.decoding.table"

@@ -76,6 +76,49 @@ def test_no_import_circle_in_kstep():
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
+def room(module: str) -> str:
+    """The part of the tree a module is in: a top-level module, or the top-level package holding it."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_the_packages_import_each_other_in_one_direction():
+    """With each top-level package taken as one part (decoding/, runner/, server/, ... and each top-level
+    module), no import runs back up: the parts' import graph has no circle (so they stack in floors,
+    every import pointing down), which a lazy import inside a function would break as much as a
+    top-level one."""
+    graph: dict[str, set[str]] = {}
+    for module, deps in import_graph().items():
+        graph.setdefault(room(module), set()).update(room(d) for d in deps if room(d) != room(module))
+    for deps in list(graph.values()):
+        for dep in deps:
+            graph.setdefault(dep, set())
+    cycle = find_cycle(graph)
+    assert cycle is None, "parts that import each other: " + " -> ".join(cycle)
+
+
+def test_the_registry_and_the_request_knobs_stay_below_the_decoders():
+    """Checkpoint I/O reads the registry, so the registry imports no decoder and no runner; the knobs
+    (kstep.params) and the kinds stay plain Python (no torch: the scheduler imports them)."""
+    graph = import_graph()
+    assert not {d for d in graph["kstep.registry"] if d.startswith(("kstep.decoding", "kstep.runner"))}
+    for module in ("kstep.params", "kstep.params.generation", "kstep.params.denoising", "kstep.params.validation",
+                   "kstep.kinds"):
+        assert not {d for d in graph[module] if d.startswith(("kstep.models", "kstep.registry", "kstep.runner"))}
+
+
+def test_params_name_the_families_the_registry_has():
+    """The knobs' declared families and the tri-mode families are the registry's (a rename there must
+    show here)."""
+    from kstep.kinds import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, UNIFORM_DIFFUSION
+    from kstep.params.generation import TRI_MODE, user_knobs
+    from kstep.registry import FAMILIES
+    assert set(TRI_MODE) == {name for name, family in FAMILIES.items() if family.modes}
+    kinds = {AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, UNIFORM_DIFFUSION}
+    for knob in user_knobs():
+        assert set(knob.metadata["families"]) <= kinds | set(FAMILIES), knob.name
+
+
 def test_no_source_file_over_300_lines():
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}

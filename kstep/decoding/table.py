@@ -126,3 +126,7 @@ def markdown() -> str:
         lines.append(f"| {family.name} ({family.decoder}) | " + " | ".join(_cell(family, knobs) for _, knobs in SETTINGS)
                      + " |")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m kstep.decoding.table: the table docs/decoding.md holds
+    print(markdown())
