@@ -68,6 +68,8 @@ def run_generate(args: argparse.Namespace) -> int:
         spec = ""
         if "acceptance_rate" in result.timings:
             spec = f", draft acceptance {result.timings['acceptance_rate']:.0%}"
+            if "equals" in result.timings:  # self-speculation: whose tokens these are
+                spec += f" (the tokens of {result.timings['equals']})"
         if "predicted_seconds" in result.timings:
             t = result.timings
             spec += (f", time budget {t['time_budget']:g} s: planned {t['planned_passes']} passes, "
