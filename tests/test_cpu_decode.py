@@ -1,7 +1,9 @@
 """The decode step's block in one C call (kstep/layers/cpu_decode.py): on one token against a KV
 cache it gives the torch block's hidden states and writes the same keys and values, for float32 and
 int8 weights, fused or not, with q/k/v bias, grouped-query attention, Qwen3's q/k norm and partial
-rotary; a model on it gives the torch path's greedy tokens; it follows weights moved in place
+rotary (the torch block fed the C block's tokens: no greedy near-tie decides what is compared); a
+model on it gives the torch path's logits within a stated tolerance and, where every step's top-2
+margin exceeds twice that (asserted), its greedy tokens; it follows weights moved in place
 (`.to()`); and every pass it does not compute (several rows, a mask, gradients, small weights,
 another dtype, a slot past the cache) goes to the torch path."""
 import dataclasses
@@ -17,7 +19,8 @@ from kstep.models.transformer import Transformer
 from kstep.random_checkpoint import random_config, write_random_checkpoint
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
-                                reason="kstep's CPU kernels are not built here (no AVX2/FMA or no C compiler)")
+                                reason="kstep's CPU kernels are off here (no AVX2/FMA, no C compiler, "
+                                "a failed build or KSTEP_CPU_KERNELS=0)")
 
 SLOTS = 24  # cache slots: more than the tokens written, so the C call must stop at the token's own slot
 
@@ -46,21 +49,23 @@ def empty_cache(model):
             for _ in range(cfg.n_layers)]
 
 
-def decode(model, prompt, steps, monkeypatch, in_c):
+def decode(model, prompt, steps, monkeypatch, in_c, tokens=None):
     """Hidden states of `steps` one-token passes after a prompt pass (several rows: torch's path
-    either way), each token the previous pass's greedy pick; and the cache they leave."""
+    either way), each token the previous pass's greedy pick, or `tokens` where given (the other path's
+    picks: two paths a last bit apart may break a near-tie apart); the cache they leave; the tokens."""
     with monkeypatch.context() as m:
         if not in_c:
             m.setattr(cpu_decode, "plan", lambda *args: None)
-        caches, states = empty_cache(model), []
+        caches, states, picked = empty_cache(model), [], []
         with torch.inference_mode():
             ids = torch.tensor([prompt])
             hidden = model.hidden_states(ids, torch.arange(len(prompt))[None], None, caches, 0)
-            for t in range(len(prompt), len(prompt) + steps):
-                token = model.logits(hidden[:, -1:]).argmax(-1)
+            for i, t in enumerate(range(len(prompt), len(prompt) + steps)):
+                token = model.logits(hidden[:, -1:]).argmax(-1) if tokens is None else torch.tensor([[tokens[i]]])
+                picked.append(int(token))
                 hidden = model.hidden_states(token, torch.tensor([[t]]), None, caches, t)
                 states.append(hidden[0, 0])
-    return torch.stack(states), caches
+    return torch.stack(states), caches, picked
 
 
 VARIANTS = {
@@ -79,9 +84,9 @@ def test_the_c_block_gives_the_torch_blocks_states_and_cache(variant, monkeypatc
     calls = []
     real_forward = cpu_decode.forward
     monkeypatch.setattr(cpu_decode, "forward", lambda *a: calls.append(1) or real_forward(*a))
-    got, got_cache = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=True)
+    got, got_cache, tokens = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=True)
     assert len(calls) == 6 * model.cfg.n_layers  # every decode pass of every layer ran in C
-    want, want_cache = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=False)
+    want, want_cache, _ = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=False, tokens=tokens)
     # int8: the GEMV rounds its input to int16 per block, so the attention's last-bit differences
     # (the order of its sums) can move a code by one: ~1e-4 here, against int8's own error of ~0.07
     tol = 1e-3 if VARIANTS[variant].get("int8") else 1e-4
@@ -92,18 +97,58 @@ def test_the_c_block_gives_the_torch_blocks_states_and_cache(variant, monkeypatc
         assert not gk[:, :, 11:].any()  # nothing written past the last token's slot
 
 
+# How far the two paths' logits may differ. float32: the order of the sums in the attention and the
+# exp in SiLU and softmax, ~2e-5 measured. int8: the GEMV rounds its input to int16 per block (both
+# paths run that same GEMV), so those last-bit differences move a code by one here and there: up to
+# 2.3e-3 measured (5 models x 3 prompts, torch dispatching its AVX2 and its AVX-512 kernels, 1 and 2
+# threads), against logits of +-14. Each bound is 4-10x the largest measured.
+LOGIT_TOLERANCE = {None: 2e-4, "int8": 1e-2}
+
+
+def generate_recording_logits(llm, prompt, max_tokens):
+    """The greedy tokens and, per token, the logits it was picked from."""
+    model, logits = llm.runner.model, []
+    real_logits = model.logits
+
+    def recording(hidden):
+        out = real_logits(hidden)
+        logits.append(out.reshape(-1, out.shape[-1])[-1].float().clone())  # the last position's: the pick's
+        return out
+    model.logits = recording
+    try:
+        tokens = llm.generate([prompt], max_tokens=max_tokens, ignore_eos=True)[0].token_ids
+    finally:
+        del model.logits
+    return tokens, torch.stack(logits)
+
+
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_a_model_on_the_c_block_gives_the_torch_paths_greedy_tokens(quantize, tmp_path, monkeypatch):
+    """Equal greedy tokens are a claim only where no step is a near-tie: each step's logits are within
+    LOGIT_TOLERANCE of the torch path's (on the same prefix), and each step's top-2 margin exceeds
+    twice that, so the torch path's pick is the C path's at every step (by induction on the prefix)."""
     path = write_random_checkpoint(tmp_path / "qwen2", family="qwen2", seed=2, d_model=768, n_layers=2, n_heads=12,
                                    n_kv_heads=2, ffn_dim=1024)
     llm = kstep.load(path, quantize=quantize)
+    prompt, tol = [1, 2, 3], LOGIT_TOLERANCE[quantize]
     calls = []
     real_forward = cpu_decode.forward
     monkeypatch.setattr(cpu_decode, "forward", lambda *a: calls.append(1) or real_forward(*a))
-    got = llm.generate([[5, 6, 7]], max_tokens=16, ignore_eos=True)[0].token_ids
+    got, got_logits = generate_recording_logits(llm, prompt, 16)
     assert len(calls) == 15 * 2  # the 15 one-token passes after the prompt's, in both layers, ran in C
+    assert got_logits.shape[0] == len(got)  # one pick per pass
+    top2 = got_logits.topk(2, -1).values
+    margins = top2[:, 0] - top2[:, 1]
+    # the C path's numerics do not depend on the CPU (built for AVX2 everywhere): this model and prompt
+    # were picked for a smallest margin of 0.16 (float32) and 0.195 (int8), 10x what this needs
+    assert (margins > 2 * tol).all(), f"a near-tie: this model and prompt prove nothing, margins {margins}"
     monkeypatch.setattr(cpu_decode, "plan", lambda *args: None)
-    assert got == llm.generate([[5, 6, 7]], max_tokens=16, ignore_eos=True)[0].token_ids
+    want, want_logits = generate_recording_logits(llm, prompt, 16)
+    assert len(calls) == 15 * 2  # this time none ran in C
+    same_prefix = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(got)) + 1
+    diff = (got_logits[:same_prefix] - want_logits[:same_prefix]).abs().amax(-1)
+    assert (diff <= tol).all(), f"logits apart by {diff} (tolerance {tol})"
+    assert got == want
 
 
 def test_passes_it_does_not_compute_go_to_torch():
@@ -139,11 +184,11 @@ def test_passes_it_does_not_compute_go_to_torch():
 def test_weights_moved_in_place_are_read_from_their_new_memory(monkeypatch):
     """`.to()` keeps each Parameter and swaps its tensor: the C block must follow, never read the old memory."""
     model = random_model(fused=False, n_kv_heads=12)
-    before, _ = decode(model, [5, 6, 7], 2, monkeypatch, in_c=True)
+    before, _, _ = decode(model, [5, 6, 7], 2, monkeypatch, in_c=True)
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data * 1.5 if p.dim() == 2 else p.data.clone()  # new memory, new values
-    got, _ = decode(model, [5, 6, 7], 2, monkeypatch, in_c=True)
-    want, _ = decode(model, [5, 6, 7], 2, monkeypatch, in_c=False)
+    got, _, tokens = decode(model, [5, 6, 7], 2, monkeypatch, in_c=True)
+    want, _, _ = decode(model, [5, 6, 7], 2, monkeypatch, in_c=False, tokens=tokens)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(got, before, atol=1e-3)

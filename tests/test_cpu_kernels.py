@@ -30,7 +30,8 @@ def wide_path(tmp_path_factory):
 
 
 needs_gemv = pytest.mark.skipif(not cpu_kernels.available(),
-                                reason="kstep's CPU kernels are not built here (no AVX2/FMA or no C compiler)")
+                                reason="kstep's CPU kernels are off here (no AVX2/FMA, no C compiler, "
+                                "a failed build or KSTEP_CPU_KERNELS=0)")
 
 
 def greedy_by_recomputing(model, prompt: list[int], n: int) -> list[int]:

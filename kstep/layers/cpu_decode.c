@@ -12,29 +12,31 @@
 // rotary is x * cos + rotated * sin with the products rounded before the sum, as torch's three ops
 // (cpu_kernels.py builds this file with -ffp-contract=off).
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
 
-// One projection y[0:out] = x @ W.T (+ bias): float32 W (out, in), or int8 codes with a float32 scale
-// per row (`scales` not NULL).
-typedef struct {
-    const void *weight;
-    const float *scales;
-    const float *bias;
-    long out;
-} kstep_proj;
+// The layout of kstep_proj and kstep_layer (cpu_kernels.h) that cpu_decode.py compares with its
+// ctypes mirrors at load: a field added, moved or retyped on one side only disables the C block
+// instead of handing it misplaced pointers.
+#define FIELD(type, field) (long)offsetof(type, field), (long)sizeof(((type *)0)->field)
+static const long layout[] = {
+    sizeof(kstep_proj), FIELD(kstep_proj, weight), FIELD(kstep_proj, scales), FIELD(kstep_proj, bias),
+    FIELD(kstep_proj, out),
+    sizeof(kstep_layer), FIELD(kstep_layer, dim), FIELD(kstep_layer, heads), FIELD(kstep_layer, kv_heads),
+    FIELD(kstep_layer, head_dim), FIELD(kstep_layer, rotary_width), FIELD(kstep_layer, ffn),
+    FIELD(kstep_layer, norm_eps), FIELD(kstep_layer, qk_norm_eps), FIELD(kstep_layer, attn_norm),
+    FIELD(kstep_layer, mlp_norm), FIELD(kstep_layer, q_norm), FIELD(kstep_layer, k_norm),
+    FIELD(kstep_layer, qkv_parts), FIELD(kstep_layer, gate_up_parts), FIELD(kstep_layer, proj),
+};
 
-#define MAX_PARTS 7
-
-typedef struct {
-    long dim, heads, kv_heads, head_dim, rotary_width, ffn;
-    float norm_eps, qk_norm_eps;
-    const float *attn_norm, *mlp_norm, *q_norm, *k_norm;  // q_norm, k_norm: NULL without them
-    int qkv_parts, gate_up_parts;  // proj: the q/k/v parts (their rows in that order), o, gate/up parts, down
-    kstep_proj proj[MAX_PARTS];
-} kstep_layer;
+long kstep_decode_layout(long *out, long n) {
+    long count = sizeof(layout) / sizeof(layout[0]);
+    for (long i = 0; i < n && i < count; i++) out[i] = layout[i];
+    return count;
+}
 
 // The parts' outputs one after another in y, each from x (in wide).
 static void project(const kstep_proj *parts, int n, const float *x, long in, float *y, int threads) {

@@ -12,9 +12,14 @@ no mask (an AR decode step; also a speculative draft's), float32 activations, a 
 own Attention and SwiGLU (SiLU) with RMSNorms, no tensor parallelism, and projections that take
 kstep's GEMVs (float32 weights of cpu_kernels.MIN_WEIGHT elements or more, or int8 ones). Everything
 else runs the torch path, unchanged.
+
+The ctypes structs below mirror cpu_kernels.h's by hand: at first use the library reports how its
+compiler laid them out (kstep_decode_layout), and where that differs the C block stays off, after a
+notice, rather than read misplaced pointers.
 """
 import ctypes
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +31,7 @@ from kstep.layers.mlp import SwiGLU
 from kstep.layers.norm import RMSNorm
 from kstep.layers.quantized import Int8Linear
 
-MAX_PARTS = 7  # cpu_decode.c: q/k/v (up to 3), o, gate/up (up to 2), down
+MAX_PARTS = 7  # cpu_kernels.h: q/k/v (up to 3), o, gate/up (up to 2), down
 # KSTEP_CPU_DECODE=0 runs the torch block over the same kernels (to measure what this file gains);
 # KSTEP_CPU_KERNELS=0 turns off both.
 ENABLED = os.environ.get("KSTEP_CPU_DECODE", "1") != "0"
@@ -44,6 +49,48 @@ class _Layer(ctypes.Structure):
                 ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("qkv_parts", ctypes.c_int), ("gate_up_parts", ctypes.c_int),
                 ("proj", _Proj * MAX_PARTS)]
+
+
+def _layout(*structs: type[ctypes.Structure]) -> list[tuple[str, int]]:
+    """Each struct's size, then its fields' (offset, size) in order, as kstep_decode_layout returns them,
+    each with its name."""
+    out = []
+    for struct in structs:
+        out.append((f"sizeof({struct.__name__})", ctypes.sizeof(struct)))
+        for name, _ in struct._fields_:
+            field, label = getattr(struct, name), f"{struct.__name__}.{name}"
+            out += [(f"{label}'s offset", field.offset), (f"{label}'s size", field.size)]
+    return out
+
+
+def layout_mismatch(lib: ctypes.CDLL, proj: type[ctypes.Structure] | None = None,
+                    layer: type[ctypes.Structure] | None = None) -> str | None:
+    """Where the C library lays kstep_proj and kstep_layer out otherwise than these ctypes mirrors
+    (default: _Proj, _Layer), the first difference; None where they agree."""
+    want = _layout(proj or _Proj, layer or _Layer)
+    got = (ctypes.c_long * len(want))()
+    count = lib.kstep_decode_layout(got, len(want))
+    for (name, expected), actual in zip(want, got[:count]):
+        if actual != expected:
+            return f"{name} is {actual} in cpu_kernels.h's struct, {expected} in cpu_decode.py's ctypes mirror"
+    if count != len(want):
+        return f"cpu_kernels.h's structs have {count} sizes and offsets, cpu_decode.py's ctypes mirrors {len(want)}"
+    return None
+
+
+_layout_checked: bool | None = None  # whether the C block's structs match (checked once, at first use)
+
+
+def _runs_in_c() -> bool:
+    """Whether the C block is built and its structs match cpu_decode.py's; says once where they do not."""
+    global _layout_checked
+    if _layout_checked is None:
+        mismatch = layout_mismatch(cpu_kernels.library()) if cpu_kernels.available() else None
+        if mismatch is not None:  # passing it misplaced pointers would corrupt memory
+            sys.stderr.write(f"kstep: its C decode block is off, the torch block runs instead: {mismatch} "
+                             "(a bug in kstep: cpu_kernels.h and cpu_decode.py must change together)\n")
+        _layout_checked = cpu_kernels.available() and mismatch is None
+    return _layout_checked
 
 
 def _is_f32(t: torch.Tensor | None) -> bool:
@@ -117,7 +164,7 @@ def _layer(block: nn.Module) -> tuple | None:
     cached = block.__dict__.get("_cpu_decode")
     if cached is None or len(cached[0]) != len(key) or any(a is not b for a, b in zip(cached[0], key)) \
             or any(t.data_ptr() != at for t, at in cached[2]):
-        described = _describe(block) if cpu_kernels.available() else None
+        described = _describe(block) if _runs_in_c() else None
         tensors = [] if described is None else described[1]
         # the pointers are checked against each tensor's on every call, and the memory they were
         # taken from is held (detached views) while cached, so it is never freed or reused under the C
