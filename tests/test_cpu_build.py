@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kstep.layers import cpu_kernels
+from kstep.layers import cpu_build, cpu_kernels
 from kstep.random_checkpoint import write_random_checkpoint
 
 NOTICE = "kstep: its CPU kernels are off"
@@ -25,10 +25,10 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     monkeypatch.setenv("KSTEP_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("KSTEP_CPU_KERNELS", raising=False)
-    monkeypatch.setattr(cpu_kernels, "_cpu_has_avx2_fma", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "cpu_has_avx2_fma", lambda: True)
     runs = []
     real_run = subprocess.run
-    monkeypatch.setattr(cpu_kernels.subprocess, "run", lambda command, **kw: runs.append(command) or
+    monkeypatch.setattr(cpu_build.subprocess, "run", lambda command, **kw: runs.append(command) or
                         real_run(command, **kw))
     return runs
 
@@ -40,7 +40,7 @@ def test_a_failed_build_says_so_once_and_is_remembered(fresh, monkeypatch, capsy
     assert err.count(NOTICE) == 1 and len(fresh) == 1, err  # one attempt, one notice
     assert "`false -O3 -mavx2" in err and "exited with status 1" in err and "KSTEP_CPU_KERNELS=0" in err
     assert "point CC at a C compiler" in err
-    [marker] = (cpu_kernels._cache_dir()).glob("*.failed")
+    [marker] = (cpu_build.cache_dir()).glob("*.failed")
     assert f"delete {marker} to build again" in err
     monkeypatch.setattr(cpu_kernels, "_tried", False)  # the next process: the notice, no compile
     assert not cpu_kernels.available()
@@ -71,7 +71,7 @@ def test_kernels_off_for_these_reasons_stay_quiet(why, fresh, monkeypatch, capsy
         monkeypatch.delenv("CC")
         monkeypatch.setenv("PATH", str(tmp_path))  # no cc, no gcc
     else:
-        monkeypatch.setattr(cpu_kernels, "_cpu_has_avx2_fma", lambda: False)
+        monkeypatch.setattr(cpu_kernels, "cpu_has_avx2_fma", lambda: False)
     assert not cpu_kernels.available()
     assert capsys.readouterr().err == "" and fresh == []
 
@@ -81,7 +81,7 @@ def test_a_library_that_does_not_load_says_so_and_is_dropped(fresh, monkeypatch,
     assert not cpu_kernels.available()
     err = capsys.readouterr().err
     assert err.count(NOTICE) == 1 and "did not load" in err, err
-    assert not list(cpu_kernels._cache_dir().glob("*.so"))  # the next process builds again
+    assert not list(cpu_build.cache_dir().glob("*.so"))  # the next process builds again
 
 
 def generate(checkpoint, env: dict) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from kstep.layers import cpu_decode, cpu_kernels
+from kstep.layers import cpu_build, cpu_decode, cpu_kernels
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
                                    reason="kstep's CPU kernels are off here (no AVX2/FMA, no C compiler, "
@@ -38,9 +38,9 @@ def ctype(declaration: str):
 
 def test_the_header_declares_every_export_with_the_ctypes_signature():
     defined = {}
-    for source in cpu_kernels.SOURCES:
+    for source in cpu_build.SOURCES:
         defined.update(functions(source, "{"))
-    declared = functions(cpu_kernels.HEADER, ";")
+    declared = functions(cpu_build.HEADER, ";")
     assert len(defined) == 8 and "kstep_decode_layout" in defined  # the parse finds them
     assert set(defined) == set(declared), "declare each export in cpu_kernels.h (and define each declared one)"
     assert set(cpu_kernels.EXPORTS) == set(declared), "give each export its ctypes signature in EXPORTS"
