@@ -33,7 +33,7 @@ from kstep.bench.cost_model import (
     calibrate,
     diffusion_cost,
 )
-from kstep.bench.compare_report import format_row, plot
+from kstep.bench.compare_report import plot
 from kstep.bench.compare_sides import SIDES, Side
 from kstep.bench.profiling import cpu_profile
 from kstep.bench.uniform_cost import uniform_diffusion_cost
@@ -163,7 +163,8 @@ def run_compare(diffusion_model: str, ar_model: str, prompts: list[str], lengths
                                                             else SIDES["ar"], 8, block_length))
     rows = []
     cells = [(n, side) for n in lengths for side in chosen]
-    for n, side in tqdm(cells, desc="bench compare", unit="cell"):
+    bar = tqdm(cells, desc="bench compare", unit="cell")
+    for n, side in bar:
         llm = models[side.is_diffusion]
         runs = [timed_generation(llm, ids, params_for(side, n, block_length))
                 for ids in encoded[side.is_diffusion] for _ in range(repeats)]
@@ -177,7 +178,8 @@ def run_compare(diffusion_model: str, ar_model: str, prompts: list[str], lengths
             r["ttft"] for r in runs), "nfe": nfe, "tokens_per_pass": n / nfe, "tokens_per_s": n / seconds,
             "floor_seconds": floor, "measured_over_floor": seconds / floor, "prompt_tokens": prompt_len,
             "samples": len(runs), "canvases_per_pass": canvases})
-        tqdm.write(format_row(rows[-1]))
+        # the last cell on the progress bar only: the table, with its header, is printed once at the end
+        bar.set_postfix_str(f"{side.name} N={n}: {seconds:.3f} s, {nfe:.1f} passes")
     profiles = {}
     n_profile = min(64, max(lengths))
     for side in chosen:
