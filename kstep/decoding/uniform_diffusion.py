@@ -175,7 +175,8 @@ class UniformDiffusionDecoder(Decoder):
         return StepOutput(new, lengths, self.row_finished.tolist(), self.row_nfe.tolist(), self.nfe, self.is_finished,
                           canvas)
 
-    def stats(self) -> dict[str, float]:
-        """Decoder passes per canvas (data-dependent: the stopping rule) and canvases run."""
+    def stats(self, row: int | None = None) -> dict[str, float]:
+        """Decoder passes per canvas (data-dependent: the stopping rule) and canvases run: the batch's
+        (its rows run their canvases together)."""
         n = len(self.steps_per_canvas)
         return {"num_canvases": float(n), "denoising_passes_per_canvas": sum(self.steps_per_canvas) / n if n else 0.0}
