@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kstep.layers.attention import KVCache, Segment
+from kstep.layers.attention import Segment
 from kstep.layers.labels import labelled
 from kstep.layers.mlp import SwiGLU
 from kstep.layers.moe import Experts, Routing

@@ -10,7 +10,6 @@ masked-diffusion knobs of LLaDA's `generate()` (`gen_length` is `max_tokens`); `
 are Dream's (`diffusion_generate`).
 """
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal
 
 from kstep.params.denoising import (DEFAULT_NUM_DRAFT_TOKENS, SELF_DRAFT, UnmaskPolicy, resolve_block_diffusion,
                                     resolve_diffusion)
