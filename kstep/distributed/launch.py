@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 
 from kstep.distributed import sharding, sharding_gemma
 from kstep.distributed.group import TPGroup, make_store
-from kstep.distributed.runner import TensorParallelRunner, follow
+from kstep.distributed.follower import follow
+from kstep.distributed.runner import TensorParallelRunner
 from kstep.models import Transformer
 from kstep.models.diffusion_gemma_model import DiffusionGemma
 from kstep.registry import FAMILIES
@@ -29,9 +30,9 @@ class PipeChannel:
     """Rank 0's side of one rank's process: the pipe its messages go by, and the process."""
 
     def __init__(self, process, pipe):
-        self.process, self.pipe, self.name = process, pipe, process.name
+        self.process, self.pipe, self.name, self.pid = process, pipe, process.name, process.pid
 
-    def send(self, message: tuple) -> None:
+    def send(self, message) -> None:
         self.pipe.send(message)
 
     def recv(self, timeout: float):
@@ -39,8 +40,9 @@ class PipeChannel:
             raise TimeoutError(f"{self.name} did not answer in {timeout:g} s")
         return self.pipe.recv()
 
-    def is_alive(self) -> bool:
-        return self.process.is_alive()
+    def is_lost(self) -> bool:
+        """Whether the process has ended (waitpid without waiting: cheap enough to poll)."""
+        return not self.process.is_alive()
 
     def has_ended(self, timeout: float) -> bool:
         """Whether the process ends within `timeout` seconds (a killed one is reaped a moment late)."""

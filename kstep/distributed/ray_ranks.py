@@ -13,7 +13,8 @@
 - Messages: one actor call per message (`handle`, the Follower's); Ray runs one caller's calls to
   an actor in the order they were sent. `send` does not wait; `recv` waits for the last call's
   reply with a timeout, as every wait on Ray here has one.
-- A lost actor: rank 0's next collective fails (its sockets close), GroupLost as with processes.
+- A lost actor: rank 0's next collective fails (its sockets close), GroupLost as with processes;
+  while idle, a ping (`where`) kept in flight to each actor fails once Ray knows it died (`is_lost`).
 - Ray starts locally when nothing has started it (a local instance, or RAY_ADDRESS's cluster), and
   is shut down when the last model that started it closes.
 
@@ -32,7 +33,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kstep.distributed.group import TPGroup, make_store
 from kstep.distributed.launch import READY_SECONDS, check_size, check_supported, load_shard, rank_device
-from kstep.distributed.runner import Follower, TensorParallelRunner
+from kstep.distributed.follower import Follower
+from kstep.distributed.runner import TensorParallelRunner
 from kstep.models import Transformer
 from kstep.runner.model_runner import ModelRunner
 from kstep.weights import read_model_config
@@ -67,7 +69,7 @@ class RankActor:
             return f"rank {rank}: {e}"
         return None
 
-    def handle(self, message: tuple) -> dict | None:
+    def handle(self, message):
         torch.set_num_threads(self.threads)  # OpenMP's thread count is per thread: Ray's may differ from start's
         try:
             return self.follower.handle(message)
@@ -80,9 +82,10 @@ class RayChannel:
     """Rank 0's side of one rank actor: its messages are calls, its reply the last call's result."""
 
     def __init__(self, actor, name: str, where: dict):
-        self.actor, self.name, self.where, self.last = actor, name, where, None
+        self.actor, self.name, self.where, self.pid, self.last = actor, name, where, where["pid"], None
+        self.ping = None  # a `where` call in flight: it fails once Ray knows the actor died (is_lost)
 
-    def send(self, message: tuple) -> None:
+    def send(self, message) -> None:
         if ray.is_initialized():  # else Ray has shut down, and its actors with it: nothing to tell
             self.last = self.actor.handle.remote(message)
 
@@ -105,6 +108,27 @@ class RayChannel:
     def has_ended(self, timeout: float) -> bool:
         """Whether Ray says the actor died (is_alive waits for its last call up to ALIVE_SECONDS)."""
         return not self.is_alive()
+
+    def is_lost(self) -> bool:
+        """Whether Ray has said the actor died, without waiting: the ping in flight is looked at and,
+        once answered, sent again (an actor runs one call at a time: a ping behind a long pass waits,
+        and the actor counts as alive meanwhile)."""
+        if not ray.is_initialized():
+            return False  # Ray stopped: the group was closed, nothing to watch
+        if self.ping is None:
+            self.ping = self.actor.where.remote()
+            return False
+        ready, _ = ray.wait([self.ping], timeout=0)
+        if not ready:
+            return False
+        try:
+            ray.get(self.ping)
+        except ray.exceptions.RayActorError:
+            return True
+        except Exception:  # the call failed, not the actor
+            pass
+        self.ping = None
+        return False
 
     def kill(self) -> None:
         if ray.is_initialized():
