@@ -230,6 +230,23 @@ def test_disconnected_client_frees_its_slot(llada_server):
         pytest.fail("the disconnected request was not cancelled")
 
 
+def test_the_running_gauge_drops_when_a_streaming_client_hangs_up(llada_server):
+    """No later request to the model is needed: the gauge reads the batch as /health does."""
+    running = lambda: metric(llada_server, "kstep_running_requests", 'model="tiny"')  # noqa: E731
+    with httpx.stream("POST", llada_server + "/v1/completions", json={
+            "model": "tiny", "prompt": "x", "max_tokens": 960, "temperature": 0, "stream": True, "ignore_eos": True,
+            "exact": True}, timeout=60) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream, and the server sees a hang-up
+        next(lines)  # one token per pass: it runs for seconds
+        assert running() == 1 and httpx.get(llada_server + "/health").json()["running"] == 1
+    for _ in range(100):  # hung up mid-stream (499)
+        if running() == 0:
+            break
+        threading.Event().wait(0.05)
+    assert running() == 0 and httpx.get(llada_server + "/health").json()["running"] == 0
+    assert metric(llada_server, "kstep_queue_depth", 'model="tiny"') == 0
+
+
 def test_metrics_are_exported(llada_server):
     client(llada_server).completions.create(model="tiny", prompt="x", max_tokens=8, temperature=0)
     text = httpx.get(llada_server + "/metrics").text

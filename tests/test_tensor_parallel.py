@@ -2,7 +2,8 @@
 TP=2 gives TP=1's tokens for every family, one pass costs the collectives the scheme says, each rank
 holds about half the weights (and /metrics each rank's expert load), the prefix cache is kept on
 every rank, sizes that do not divide are refused naming the numbers, and a lost rank fails at once
-(the server answers 503 and exits), never hangs."""
+(the server answers 503 for that model and serves its others; it exits once none is left), never
+hangs."""
 import asyncio
 import os
 import signal
@@ -188,7 +189,7 @@ def test_a_lost_rank_fails_at_once(checkpoints):
         two.generate(PROMPTS[0], max_tokens=2)
 
 
-def test_served_on_two_ranks_batched_equals_alone_and_a_lost_rank_stops_the_server(checkpoints, tmp_path):
+def test_served_on_two_ranks_batched_equals_alone_and_a_lost_rank_fails_its_model_only(checkpoints, tmp_path):
     log = tmp_path / "serve.log"
     with running_server(f"ar={checkpoints['qwen2']}", "--model", f"ld={checkpoints['llada']}", "-tp", "2",
                         log=log) as (url, proc):
@@ -203,6 +204,27 @@ def test_served_on_two_ranks_batched_equals_alone_and_a_lost_rank_stops_the_serv
                 return await asyncio.gather(*(h.post(url + "/v1/completions", json={
                     "model": m, "prompt": p, "max_tokens": 24, "temperature": t, "seed": 3}) for m, p, t in requests))
         assert [r.json()["choices"][0]["text"] for r in asyncio.run(together())] == alone
+
+        # ar's rank killed while idle: /health shows ar down at once, ar's requests get 503s naming the
+        # rank, ld keeps serving, the server keeps running
+        ranks = {name: m["ranks"] for name, m in httpx.get(url + "/health").json()["models"].items()}
+        assert len(ranks["ar"]) == len(ranks["ld"]) == 1 and ranks["ar"][0]["pid"] != ranks["ld"][0]["pid"]
+        os.kill(ranks["ar"][0]["pid"], signal.SIGKILL)
+        start = time.monotonic()
+        while (health := httpx.get(url + "/health")).json()["models"]["ar"]["status"] == "ok":
+            assert time.monotonic() - start < 2, "the lost rank was not seen within 2 s"
+            time.sleep(0.02)
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert ranks["ar"][0]["name"] in health.json()["models"]["ar"]["error"]
+        assert httpx.get(url + "/health", params={"model": "ar"}).status_code == 503
+        assert httpx.get(url + "/health", params={"model": "ld"}).status_code == 200
+        r = httpx.post(url + "/v1/completions", json={"model": "ar", "prompt": "x", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503 and ranks["ar"][0]["name"] in r.json()["error"]["message"], r.text
+        assert client(url).completions.create(model="ld", prompt="def f(x):", max_tokens=24, temperature=0
+                                              ).choices[0].text == alone[4]
+        assert proc.poll() is None
+
+        # ld's rank killed mid-request: its request ends with a 503, and with no model left the server exits 1
         answer = {}
 
         def long_request():
@@ -212,8 +234,7 @@ def test_served_on_two_ranks_batched_equals_alone_and_a_lost_rank_stops_the_serv
         worker.start()
         while not httpx.get(url + "/health").json()["running"]:
             time.sleep(0.02)
-        for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split():
-            os.kill(int(pid), signal.SIGKILL)  # every rank but 0
+        os.kill(ranks["ld"][0]["pid"], signal.SIGKILL)
         worker.join(30)
         assert answer["r"].status_code == 503 and "tensor-parallel group" in answer["r"].json()["error"]["message"]
         assert proc.wait(timeout=30) != 0

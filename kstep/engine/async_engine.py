@@ -2,6 +2,10 @@
 releases the GIL, so the event loop keeps serving HTTP during a pass) and routes each step's
 outputs to per-request queues. Cancellation is a flag the next step honours; a shutdown ends
 every request at once (`end_all`) rather than letting them run out the server's grace period.
+A model that cannot run any more (a lost tensor-parallel rank: an `is_fatal` error, from a step or
+from `check`, which a light watcher polls so an idle model's loss is found at once) is down for
+good: its requests end with a 503 naming why, new ones are refused (ModelDown), and `on_fatal` is
+told once; the engine's other work and the server's other models go on.
 
 All of a server's torch work (loading, warm-up, every step) runs on that one thread
 (`torch_thread`): each thread that runs a parallel op gets its own OpenMP team, and once a process
@@ -21,8 +25,15 @@ from kstep.engine.request import Request, RequestOutput
 log = logging.getLogger("kstep.engine")
 
 
+WATCH_SECONDS = 0.25  # how often `check` looks at the model's ranks (a pipe's process: one waitpid)
+
+
 class ShuttingDown(Exception):
     pass
+
+
+class ModelDown(Exception):
+    """The model cannot run any more (its message says why: e.g. which rank was lost)."""
 
 
 def torch_thread() -> ThreadPoolExecutor:
@@ -32,36 +43,59 @@ def torch_thread() -> ThreadPoolExecutor:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, on_step: Callable[[StepStats, Engine], None] | None = None,
-                 executor: ThreadPoolExecutor | None = None):
-        self.engine, self.on_step = engine, on_step
+                 executor: ThreadPoolExecutor | None = None, check: Callable[[], None] | None = None):
+        self.engine, self.on_step, self.check = engine, on_step, check
         self.queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._executor = executor or torch_thread()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
         self.is_closing = False
-        # What a fatal error does once every request has its 503: stop the server (kstep serve sets
-        # its own, which exits non-zero; elsewhere, the process is asked to terminate).
+        self.down: str | None = None  # why the model cannot run any more, once it cannot
+        # What a fatal error does once every request has its 503 (a server sets its own: the
+        # server goes on while another model is up; elsewhere, the process is asked to terminate).
         self.on_fatal: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run())
+        if self.check is not None:
+            self._watcher = asyncio.create_task(self._watch())
+
+    def is_up(self) -> bool:
+        """Whether the model can still run, looked at now (`check`: a lost rank takes it down here)."""
+        if self.down is None and self.check is not None:
+            try:
+                self.check()
+            except Exception as e:
+                if not getattr(e, "is_fatal", False):
+                    raise
+                self._stop_fatally(e)
+        return self.down is None
+
+    async def _watch(self) -> None:
+        """Find a lost rank while the model is idle too, not only at its next pass."""
+        while self.is_up():
+            await asyncio.sleep(WATCH_SECONDS)
 
     async def run_on_torch_thread(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._watcher, self._task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         self._executor.shutdown(wait=True)
 
     def submit(self, request: Request) -> asyncio.Queue[RequestOutput]:
         """Queue a request; raises QueueFull (or ShuttingDown). Its outputs arrive on the returned queue."""
         if self.is_closing:
             raise ShuttingDown("the server is shutting down: it takes no new requests")
+        if self.down is not None:
+            raise ModelDown(self.down)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.engine.add_request(request)
         self.queues[request.request_id] = queue
@@ -78,9 +112,12 @@ class AsyncEngine:
         """Shutdown: take no new requests and end every queued and running one now, each with a 503
         output saying `message` (they leave the batch at the next step)."""
         self.is_closing = True
+        self._end_queued(message, "server_shutdown")
+
+    def _end_queued(self, message: str, code: str) -> None:
         for request_id, queue in list(self.queues.items()):
             queue.put_nowait(RequestOutput(request_id, [], 0, is_finished=True, error=message, error_status=503,
-                                           error_code="server_shutdown"))
+                                           error_code=code))
             self.engine.abort(request_id)
         self.queues.clear()
         self._wake.set()
@@ -110,10 +147,13 @@ class AsyncEngine:
                     self.queues.pop(out.request_id, None)
 
     def _stop_fatally(self, error: Exception) -> None:
-        """Every request ends with a 503 naming `error`, and the server shuts down (`on_fatal`), rather
-        than serve a model that can no longer run."""
-        log.error("the model cannot run any more: %s; the server stops", error)
-        self.end_all(f"the server cannot run this model any more ({error}); it is stopping")
+        """The model is down (once; a step failing after the watcher found the loss adds nothing):
+        every request ends with a 503 naming `error`, new ones are refused, `on_fatal` is told."""
+        if self.down is not None:
+            return
+        self.down = str(error)
+        self._end_queued(f"this model cannot run any more ({error}); it stays down until the server restarts",
+                         "model_down")
         self.on_fatal()
 
     def _fail_running(self, message: str) -> list[RequestOutput]:

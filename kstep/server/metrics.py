@@ -4,6 +4,7 @@ it is about ("" for a request refused before it named a served model)."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kstep.engine.engine import Engine, StepStats
+from kstep.engine.scheduler import Scheduler
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -64,14 +65,18 @@ class ModelMetrics:
     def __init__(self, metrics: Metrics, model: str):
         self.metrics, self.model = metrics, model
 
+    def watch(self, scheduler: Scheduler) -> None:
+        """The queue and batch gauges read the scheduler at each scrape, so they drop the moment a
+        request leaves for any reason (finished, failed, cancelled, its client gone), step or no step."""
+        self.metrics.queue_depth.labels(self.model).set_function(lambda: scheduler.num_waiting)
+        self.metrics.running.labels(self.model).set_function(lambda: scheduler.num_running)
+
     def observe_step(self, stats: StepStats, engine: Engine) -> None:
         m, label = self.metrics, self.model
         m.forward_passes.labels(label).inc(stats.num_passes)
         m.step_tokens.labels(label).observe(stats.num_committed)
         m.step_seconds.labels(label).observe(stats.seconds)
         m.batch_size.labels(label).observe(stats.batch_size)
-        m.queue_depth.labels(label).set(engine.scheduler.num_waiting)
-        m.running.labels(label).set(engine.scheduler.num_running)
         for rank, pairs in enumerate(engine.llm.runner.expert_load() or []):
             m.expert_pairs.labels(label, str(rank)).set(pairs)
         if engine.prefix_cache is not None:

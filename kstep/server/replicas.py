@@ -8,9 +8,11 @@ timeout), shuts Serve down, and stops the local Ray instance this process starte
 With `-tp N` (or a model's `tp=N`) each replica is rank 0 of its models' groups: the deployment
 reserves a placement group per replica (bundle 0 the replica, then one per other rank of each model,
 STRICT_PACK), and the models load with the "ray" backend, whose rank actors take those bundles
-(kstep/distributed/ray_ranks.py). A replica whose group is lost ends its requests with 503 (as one
-process does), answers 503 from then on and fails Serve's health check, so Serve replaces it (its
-rank actors and placement group go with it) instead of the replica exiting.
+(kstep/distributed/ray_ranks.py). A replica whose group is lost ends that model's requests with
+503 (as one process does), answers 503 for it from then on and fails Serve's health check, so
+Serve replaces it (its rank actors and placement group go with it) instead of the replica
+exiting: unlike one process, whose lost model stays down, a replica's comes back (its other
+models serve until it is replaced).
 
 Ray is an optional dependency (`pip install -e .[ray]`): this module is imported only for --replicas."""
 import signal
@@ -71,7 +73,7 @@ class KstepReplica:
         if self.failed:
             raise RuntimeError("a model of this replica cannot run any more (its tensor-parallel group is lost)")
 
-    def _fail(self) -> None:  # the engine's on_fatal, once every request in flight has its 503
+    def _fail(self) -> None:  # a model went down, once its requests in flight have their 503
         self.failed = True
 
     def __serve_build_asgi_app__(self):
@@ -83,8 +85,9 @@ class KstepReplica:
         Gauge("kstep_replica", "The Ray Serve replica whose metrics these are (always 1)", ["replica"],
               registry=app.state.metrics.registry).labels(replica).set(1)
         app.add_middleware(ReplicaHeader, replica=replica)
-        for route in app.state.routes.by_name.values():
-            route.engine.on_fatal = self._fail
+        # a model down: Serve replaces the replica, which loads it again (its healthy models too)
+        app.state.routes.on_model_down = lambda name: self._fail()
+        app.state.routes.on_no_live_model = self._fail
         return app
 
 

@@ -36,13 +36,13 @@ class Server(uvicorn.Server):
 
 
 def serve(app, host: str, port: int, log_level: str, drain_seconds: float) -> int:
-    """Run `app` (build_app's) until a signal stops it, or a model that cannot run any more (a lost
-    tensor-parallel rank) does; the exit code: 0, or 1 for the latter."""
+    """Run `app` (build_app's) until a signal stops it, or until none of its models can run any
+    more (each lost a tensor-parallel rank: one down alone leaves the others serving); the exit
+    code: 0, or 1 for the latter."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=FLUSH_SECONDS)
     server = Server(config, drain_seconds)
-    for route in app.state.routes.by_name.values():
-        route.engine.on_fatal = server.stop_failed
+    app.state.routes.on_no_live_model = server.stop_failed
     server.run()
     if server.failed:
-        logging.getLogger("kstep.engine").error("kstep serve stopped: a model could not run any more")
+        logging.getLogger("kstep.engine").error("kstep serve stopped: none of its models can run any more")
     return 1 if server.failed else 0
