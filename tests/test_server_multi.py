@@ -98,6 +98,13 @@ def test_model_specs_parse_names_options_and_values():
     (["--model", "a=default", "--model", "a=default-ar"], ["'a'", "NAME=MODEL"]),
     (["--model", "default", "--model", "default-ar", "--served-model-name", "x"], ["--served-model-name"]),
     (["--model", "default:bogus=1"], ["unknown option 'bogus'"]),
+    # each spec is checked before any model loads or a line is printed (one line on stderr)
+    (["--model", "default", "--model", "twin=default-ar:tp=3"], ["--model 'twin=default-ar:tp=3'",
+                                                                  "tensor_parallel_size 3"]),
+    (["--model", "default", "--model", "ar=default-ar:threshold=0.5"], ["'ar=default-ar:threshold=0.5'",
+                                                                         "threshold does not apply"]),
+    (["--model", "default-ar", "--model", "d=default:draft=ngram"], ["'d=default:draft=ngram'", "draft 'ngram'"]),
+    (["--model", "default", "--model", "x=nowhere/at/all"], ["'x=nowhere/at/all'", "does not exist"]),
 ])
 def test_serve_rejects_bad_model_lists(args, needles):
     assert_clean_error(run_cli("serve", *args), *needles)

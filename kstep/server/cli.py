@@ -58,7 +58,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kstep.params import GenerationParams
     from kstep.server.app import ServeConfig, build_app
     from kstep.server.shutdown import serve
-    from kstep.server.loading import LoadOptions, load_served_models
+    from kstep.server.loading import LoadOptions, check_specs, load_served_models
     from kstep.server.model_specs import parse_model_spec
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix-cache-mib {args.prefix_cache_mib} must be >= 0")
@@ -92,10 +92,10 @@ def run_serve(args: argparse.Namespace) -> int:
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          prefix_cache_bytes=args.prefix_cache_mib << 20, max_request_passes=args.max_request_passes,
                          max_request_seconds=args.max_request_seconds)
+    if args.replicas is not None and (args.replicas <= 0 or args.cpus_per_replica <= 0):
+        raise ValueError(f"--replicas {args.replicas} and --cpus-per-replica {args.cpus_per_replica} must be positive")
+    check_specs(specs, options)  # every spec, before Ray starts, a model loads or a line is printed
     if args.replicas is not None:
-        if args.replicas <= 0 or args.cpus_per_replica <= 0:
-            raise ValueError(f"--replicas {args.replicas} and --cpus-per-replica {args.cpus_per_replica} "
-                             "must be positive")
         from kstep.server.replicas import ReplicaOptions, serve_replicas
         return serve_replicas(specs, options, config, ReplicaOptions(
             args.replicas, args.cpus_per_replica, args.ray_address, args.host, args.port,

@@ -85,6 +85,9 @@ def _validation_message(e: RequestValidationError) -> APIError:
         return APIError(400, "the request body is empty: send a JSON object")
     if kind == "missing":
         return APIError(400, f"missing required field {path!r}", field)
+    if kind == "unknown_field":  # protocol.KnownFields: the field is named, with its likely meaning
+        return APIError(400, f"{path}: {first['msg']}" if path else first["msg"], field or first["ctx"]["field"],
+                        "unknown_field")
     if kind == "model_attributes_type" and isinstance(first.get("input"), bytes):
         # FastAPI parses JSON only under a JSON content type; any other arrives as raw bytes
         return APIError(415, "the request body must be JSON, sent with 'Content-Type: application/json'")

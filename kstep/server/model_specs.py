@@ -21,6 +21,7 @@ class ModelSpec:
     quantize: str | None = None
     defaults: dict = field(default_factory=dict)   # GenerationParams fields
     tensor_parallel_size: int | None = None        # `tp=N`: this model over N ranks
+    text: str = field(default="", compare=False)   # the --model value as given (for messages)
 
 
 def _knob_types() -> dict[str, type]:
@@ -73,4 +74,4 @@ def parse_model_spec(spec: str) -> ModelSpec:
             raise ValueError(f"--model {spec!r}: unknown option {key!r} (known: {known})")
     GenerationParams(**defaults)  # a bad value fails now, naming it
     tp = int(load["tp"]) if "tp" in load else None
-    return ModelSpec(name, model, load.get("draft"), load.get("quantize"), defaults, tp)
+    return ModelSpec(name, model, load.get("draft"), load.get("quantize"), defaults, tp, spec)

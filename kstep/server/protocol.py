@@ -2,15 +2,17 @@
 into GenerationParams. Standard fields follow the OpenAI API reference (defaults included:
 temperature 1, top_p 1, completions max_tokens 16) and validate strictly, as OpenAI does: JSON
 types, no coercion (`"n": "2"` is a 400). kstep's own knobs are extra fields, generated from their
-declaration in GenerationParams."""
+declaration in GenerationParams. A field a body does not declare is a 400 naming it, and the OpenAI
+fields kstep does not honour are declared to be refused or ignored by name (fields.py)."""
 import types
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, \
-    create_model
+    create_model, model_validator
 from pydantic_core import PydanticCustomError
 
 from kstep.params import GenerationParams, user_knobs
+from kstep.server.fields import IGNORED, first_unsupported, unknown_field_message
 
 
 def _unicode(text: str) -> str:
@@ -39,18 +41,40 @@ def _strict(annotation):
 
 KSTEP_FIELDS = tuple(f.name for f in user_knobs() if f.metadata["http"])
 # kstep's knobs; None = the server's per-model default, else GenerationParams' default
-KstepFields = create_model("KstepFields", __config__=ConfigDict(extra="ignore"),
+KstepFields = create_model("KstepFields", __config__=ConfigDict(extra="forbid"),
                            **{f.name: (_strict(f.type), None) for f in user_knobs() if f.metadata["http"]})
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class KnownFields(BaseModel):
+    """A body whose every field is declared: any other is refused before the rest is validated,
+    naming it (`where`: the endpoint or nested object, for the message)."""
+    where: ClassVar[str] = "the request body"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown(cls, data):
+        if isinstance(data, dict):
+            for name in data:
+                if name not in cls.model_fields:
+                    message = unknown_field_message(name, set(cls.model_fields), cls.where, _elsewhere(cls))
+                    raise PydanticCustomError("unknown_field", "{message}", {"message": message, "field": name})
+        return data
+
+
+def _elsewhere(cls: type) -> dict[str, set[str]]:
+    """The other endpoints' fields, for a field sent to the wrong one."""
+    return {c.where: set(c.model_fields) for c in (CompletionRequest, ChatCompletionRequest) if not issubclass(cls, c)}
+
+
+class StreamOptions(KnownFields):
+    where: ClassVar[str] = "stream_options"
 
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None  # OpenAI's padding of stream chunks: kstep sends none
     include_canvas: StrictBool = False     # kstep: chunks carry the whole canvas and the step index
 
 
-class SamplingFields(KstepFields):
+class SamplingFields(KnownFields, KstepFields):
     model: Text
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
@@ -65,6 +89,7 @@ class SamplingFields(KstepFields):
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     logprobs: StrictBool | StrictInt | None = None
+    logit_bias: Any = None
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -75,12 +100,12 @@ class SamplingFields(KstepFields):
         return stop
 
     def unsupported(self) -> str | None:
-        """The first standard field kstep does not implement, when it is set to a non-default value."""
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty" if self.presence_penalty else "frequency_penalty"
-        if self.logprobs:
-            return "logprobs"
-        return None
+        """The first OpenAI field kstep does not implement, when it is set to other than its no-op value."""
+        return first_unsupported({name: getattr(self, name) for name in self.model_fields_set})
+
+    def ignored(self) -> list[str]:
+        """The OpenAI fields given that have no effect on the output (accepted, not used)."""
+        return sorted(set(IGNORED) & self.model_fields_set)
 
     def generation_params(self, defaults: dict, default_max_tokens: int) -> GenerationParams:
         """GenerationParams from this body over the server's defaults (raises ValueError naming the field)."""
@@ -99,9 +124,12 @@ class SamplingFields(KstepFields):
 
 
 class CompletionRequest(SamplingFields):
+    where: ClassVar[str] = "/v1/completions"
+
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
     suffix: Text | None = None
+    best_of: Any = None
 
 
 class ChatMessage(BaseModel):
@@ -122,4 +150,28 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    where: ClassVar[str] = "/v1/chat/completions"
+
     messages: list[ChatMessage] = Field(min_length=1)
+    # OpenAI's chat fields kstep does not honour (fields.py: refused unless their no-op, or ignored)
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    safety_identifier: Any = None
+    prediction: Any = None
+    parallel_tool_calls: Any = None
