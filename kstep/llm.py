@@ -17,15 +17,16 @@ from kstep.bundled import resolve_model
 from kstep.decoding.drafters import NGRAM
 from kstep.decoding.loop import decode_alone
 from kstep.outputs import GenerationResult
-from kstep.params import (AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, SELF_SPECULATION, UNIFORM_DIFFUSION,
-                          GenerationParams, knob_applies)
+from kstep.params import AUTOREGRESSIVE, DIFFUSION, SELF_SPECULATION, GenerationParams, knob_applies
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
-from kstep.decoding.table import make_decoder
+from kstep.decoding.table import grammar_refusal, make_decoder
+from kstep.params.context import check_context
 from kstep.params.family_defaults import checkpoint_defaults, knob_defaults
 from kstep.registry import FAMILIES
 from kstep.runner.prefix_cache import PrefixCache
 from kstep.loading import load_runner
 from kstep.runner.model_runner import ModelRunner
+from kstep.structured.model_grammar import ModelGrammar
 from kstep.tokenizer import Tokenizer, load_tokenizer
 from kstep.weights import read_json, resolve_dtype
 
@@ -63,6 +64,8 @@ class LLM:
                              f"not {self.path.name} ({self.cfg.family})")
         if isinstance(self.draft, LLM):
             self._check_draft(self.draft)
+        self.grammar = ModelGrammar(self.path / "tokenizer.json" if self.tokenizer else None, self.cfg.vocab_size,
+                                    self.stop_ids, self.cfg.mask_token_id)  # structured outputs (kstep/structured)
 
     def _checkpoint_defaults(self) -> dict:
         """Knob values the checkpoint's generation_config.json gives (params/family_defaults.py)."""
@@ -110,8 +113,18 @@ class LLM:
         if unset and not params.is_resolved:
             params = replace(params, **unset)
         has_draft = self.draft is not None or params.mode == SELF_SPECULATION  # LinearSpec: drafts for itself
-        return params.resolve(self.cfg.family, kind, has_draft, self.cfg.canvas_length,
-                              self.family.whole_canvas_reference)
+        resolved = params.resolve(self.cfg.family, kind, has_draft, self.cfg.canvas_length,
+                                  self.family.whole_canvas_reference)
+        if resolved.structured is not None:
+            self.check_structured(resolved)
+        return resolved
+
+    def check_structured(self, params: GenerationParams) -> None:
+        """A structured request this model can serve: its decoder keeps a grammar, the spec compiles and
+        a completion fits max_tokens (else a ValueError naming the field)."""
+        if (refusal := grammar_refusal(self.family, params)) is not None:
+            raise ValueError(f"{params.structured.field}: a structured output is not kept {refusal}")
+        self.grammar.check(params.structured, params.max_tokens)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of one prompt, checked against the vocabulary and the mask id."""
@@ -152,8 +165,8 @@ class LLM:
     def heal(self, ids: list[int], params: GenerationParams, is_text: bool) -> tuple[list[int], str, list[int]]:
         """Token healing of a text prompt's ids (Tokenizer.heal) when the params ask for it: (ids, the
         text given back, the ids the first token may take); token-id prompts are taken as they are."""
-        if not params.token_healing or not is_text or self.tokenizer is None:
-            return ids, "", []
+        if not params.token_healing or not is_text or self.tokenizer is None or params.structured is not None:
+            return ids, "", []  # a structured output's grammar starts at the completion, not mid-token
         return self.tokenizer.heal(ids)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
@@ -164,23 +177,9 @@ class LLM:
         return self.encode_prompt(self.tokenizer.encode(text, add_special_tokens=False))
 
     def check_fits(self, rows: list[list[int]], params: GenerationParams, suffixes: list[list[int]] | None = None) -> None:
-        """Prompts and completion must fit the model's context (a speculative step needs gamma + 1 more)."""
-        if not rows:
-            raise ValueError("no prompts given")
-        longest = max(len(ids) for ids in rows)
-        extra, why = 0, ""
-        if suffixes and any(suffixes):
-            extra, why = max(len(s) for s in suffixes), " + suffix"
-        if (kind := self.family.kind_for(params.mode)) == AUTOREGRESSIVE and params.num_draft_tokens:
-            extra, why = params.num_draft_tokens + 1, " + num_draft_tokens + 1"
-        elif kind == BLOCK_DIFFUSION:  # the last block may end up to a block past max_tokens
-            extra, why = params.block_length, f" + block_length ({params.block_length})"
-        elif self.family.kind == UNIFORM_DIFFUSION:  # whole canvases
-            extra, why = -params.max_tokens % self.cfg.canvas_length, f" in canvases of {self.cfg.canvas_length}"
-        if longest + params.max_tokens + extra > self.cfg.max_positions:
-            what = f"max_tokens ({params.max_tokens})" + why
-            raise ValueError(f"prompt ({longest} tokens) + {what} exceeds the model's context of "
-                             f"{self.cfg.max_positions}")
+        """Prompts and completion must fit the model's context (params/context.py)."""
+        check_context(rows, params, suffixes, self.family.kind_for(params.mode), self.family.kind,
+                      self.cfg.max_positions, self.cfg.canvas_length)
 
     def make_decoder(self, rows: list[list[int]], params: GenerationParams, prefix_cache: PrefixCache | None = None,
                      include_canvas: bool = False, first_tokens: list[list[int]] | None = None,
@@ -193,6 +192,9 @@ class LLM:
             raise RuntimeError("internal: params reach a decoder resolved (GenerationParams.resolve, at the edge)")
         if suffixes and any(suffixes):
             self.require_infilling()
+            if params.structured is not None:
+                raise ValueError(f"suffix: infilling with a structured output ({params.structured.field}) is not "
+                                 "supported: its grammar constrains a completion from its start to its end")
         self.check_fits(rows, params, suffixes)
         first_allowed = None
         if first_tokens and any(first_tokens):
@@ -201,9 +203,13 @@ class LLM:
                 if allowed:
                     first_allowed[row] = False
                     first_allowed[row, allowed] = True
+        constraint = None if params.structured is None else \
+            self.grammar.constraint(params.structured, len(rows), params.max_tokens)
         batch = DecodeBatch.from_prompts(rows, self.pad_id, self.stop_ids, self.cfg.mask_token_id, self.device,
-                                         params.seed, include_canvas, first_allowed, suffixes)
-        return make_decoder(self.family, self.runner, batch, params, DecoderResources(prefix_cache, self.drafter))
+                                         params.seed, include_canvas, first_allowed, suffixes, constraint)
+        decoder = make_decoder(self.family, self.runner, batch, params, DecoderResources(prefix_cache, self.drafter))
+        decoder.constraint = constraint
+        return decoder
 
     def calibrate_pass_costs(self) -> None:
         """Time the time-budget planner's table once, on the thread that runs torch (budget/costs.py)."""
@@ -271,8 +277,9 @@ class LLM:
             text = self.tokenizer.decode(tokens) if self.tokenizer else None
             if text is not None and given_back and text.startswith(given_back):
                 text = text[len(given_back):]  # it was the prompt's: the completion is what follows
+            grammar = {} if decoder.constraint is None else decoder.constraint.stats()
             results.append(GenerationResult(tokens, reason, nfe, seconds, len(prompt), text,
-                                            {**timings, **decoder.stats(b)}))  # its own drafts' figures
+                                            {**timings, **decoder.stats(b), **grammar}))  # its own drafts' figures
         return results
 
 

@@ -4,6 +4,11 @@ The KV cache is preallocated for prompt + max_tokens by the runner, so there is 
 of the prefix and no per-step allocation; it is the honest baseline diffusion is compared with.
 Like the diffusion decoder it is a step machine (decoding/base.py), so the serving engine batches
 AR requests the same way.
+
+A structured output (kstep/structured) masks each sampled position to what its grammar allows, and
+jumps forward where the grammar forces text (keys, braces, quotes): those tokens are appended
+without a decode step of their own, and the next pass takes them with the last sampled token, as a
+short prefill (SGLang's jump-forward decoding).
 """
 import torch
 
@@ -18,13 +23,14 @@ from kstep.runner.pass_output import PassOutput
 
 class AutoregressiveDecoder(Decoder):
     """Decodes left-padded prompts (B, P) until every row hits a stop id or max_tokens."""
+    keeps_grammar = True
 
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
                  resources: DecoderResources = DecoderResources()):
         prompts, key_mask = batch.prompts, batch.key_mask
         stop_ids, pad_id, generator = batch.stop_ids, batch.pad_id, batch.generator
         self.runner, self.params, self.prompts = runner, params, prompts
-        self.first_allowed = batch.first_allowed
+        self.first_allowed, self.grammar = batch.first_allowed, batch.constraint
         self.top = top_request(params, None, self.first_allowed, is_scored=False)  # greedy: the argmax
         # Prefix caching needs every row to hold the same unpadded prompt (one prompt, n samples).
         same_rows = key_mask is None and bool((prompts == prompts[:1]).all())
@@ -43,7 +49,9 @@ class AutoregressiveDecoder(Decoder):
         self.out = torch.full((B, N), pad_id, dtype=torch.long, device=prompts.device)
         self.finished = torch.zeros(B, dtype=torch.bool, device=prompts.device)
         self.num_generated, self.nfe, self.is_finished = 0, 0, False
+        self.pending = 1  # tokens at the end of `out` the next pass takes (more after a jump forward)
         self.lengths = [0] * B  # committed tokens per row (up to and including its stop token)
+        self.row_nfe = [0] * B  # passes each row needed
         self.row_done = [False] * B
 
     def next_passes(self) -> list[ForwardPass]:
@@ -57,10 +65,10 @@ class AutoregressiveDecoder(Decoder):
                 self.num_cached_tokens = start
             return self.runner.causal_pass(self.prompts[:, start:], self.positions[:, start:], self.key_mask, start,
                                            self.kv)
-        t = self.num_generated
-        position = self.positions[:, -1:] + t  # (B, 1)
-        return self.runner.causal_pass(self.out[:, t - 1:t], position, self.key_mask,
-                                       self.prompts.shape[1] + t - 1, self.kv)
+        t, k = self.num_generated, self.pending  # completion token j sits at the last prompt position + j + 1
+        positions = self.positions[:, -1:] + torch.arange(t - k + 1, t + 1, device=self.out.device)  # (B, k)
+        return self.runner.causal_pass(self.out[:, t - k:t], positions, self.key_mask,
+                                       self.prompts.shape[1] + t - k, self.kv)
 
     def update(self, outputs: list[PassOutput]) -> StepOutput:
         """Sample the next token from the last position's outputs (B, 1)."""
@@ -68,18 +76,52 @@ class AutoregressiveDecoder(Decoder):
         [out] = outputs
         if self.num_generated == 0 and self.prefix_cache is not None:
             self.prefix_cache.store(self.prompts[0].tolist(), self.kv)
-        out = constrain(out[:, -1:], self.num_generated, self.stop_ids, p.min_tokens, self.first_allowed)
+        out = constrain(out[:, -1:], self.num_generated, self.stop_ids, p.min_tokens, self.first_allowed,
+                        self.grammar)
         token = pick_tokens(out[:, -1], p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
+        if self.grammar is not None:
+            token = self._keep(token)
+        self.nfe += 1
+        self.row_nfe = [n + (not done) for n, done in zip(self.row_nfe, self.row_done, strict=True)]
+        new = self._append(token)
+        self.pending = 1
+        while self.grammar is not None and not self.is_finished and (forced := self._forced()) is not None:
+            new = [ids + more for ids, more in zip(new, self._append(forced), strict=True)]  # no pass of their own
+            self.pending += 1
+        return StepOutput(new, self.lengths, self.row_done, self.row_nfe, self.nfe, self.is_finished)
+
+    def _append(self, token: torch.Tensor) -> list[list[int]]:
+        """Put the next token (B,) of every row (a stopped row's: padding); each row's new committed ids."""
         token = torch.where(self.finished, self.pad_id, token)
         self.out[:, self.num_generated] = token
-        self.num_generated, self.nfe = self.num_generated + 1, self.nfe + 1
-        if not p.ignore_eos:
+        self.num_generated += 1
+        if not self.params.ignore_eos:
             self.finished |= torch.isin(token, self.stop_ids)
-        if self.num_generated == p.max_tokens or bool(self.finished.all()):
+        if self.num_generated == self.params.max_tokens or bool(self.finished.all()):
             self.is_finished, self.kv = True, None
-        # Every sampled token is final; a row that had stopped commits nothing more. One pass per token,
-        # so a row's committed length is also its nfe.
+        # Every token placed is final; a row that had stopped commits nothing more.
         new = [[] if done else [t] for t, done in zip(token.tolist(), self.row_done, strict=True)]
         self.lengths = [n + len(ids) for n, ids in zip(self.lengths, new, strict=True)]
-        self.row_done = self.finished.tolist() if self.num_generated < p.max_tokens else [True] * len(new)
-        return StepOutput(new, self.lengths, self.row_done, self.lengths, self.nfe, self.is_finished)
+        self.row_done = self.finished.tolist() if self.num_generated < self.params.max_tokens else [True] * len(new)
+        return new
+
+    def _keep(self, token: torch.Tensor) -> torch.Tensor:
+        """The sampled tokens (B,) as the grammar keeps them (constraint.py's walk over one column)."""
+        B, live = token.shape[0], ~self.finished
+        kept, _ = self.grammar.step(torch.full((B, 1), self.grammar.mask_id), token[:, None], live[:, None],
+                                    torch.full((B, 1), self.num_generated), rows=live)
+        return kept[:, 0]
+
+    def _forced(self) -> torch.Tensor | None:
+        """The next token of every running row when the grammar forces each of them (rows move together)."""
+        forced = []
+        for row, done in zip(self.grammar.rows, self.row_done, strict=True):
+            token = None if done else row.forced()
+            if not done and token is None:
+                return None
+            forced.append(token if token is not None else self.pad_id)
+        B, live = len(forced), torch.tensor([not done for done in self.row_done])
+        kept, decided = self.grammar.step(torch.full((B, 1), self.grammar.mask_id), torch.tensor(forced)[:, None],
+                                          torch.zeros(B, 1, dtype=torch.bool), torch.full((B, 1), self.num_generated),
+                                          rows=live)
+        return kept[:, 0].to(self.out.device) if bool(decided[live].all()) else None

@@ -10,6 +10,7 @@ returns a `StepOutput`. Callers never look inside a decoder.
 """
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from kstep.params import GenerationParams
 from kstep.registry import BlockRules
 from kstep.runner.model_runner import ForwardPass, ModelRunner
 from kstep.runner.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from kstep.structured.constraint import Constraint
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,12 +46,13 @@ class DecodeBatch:
     first_allowed: torch.Tensor | None = None  # (B, V) bool: token healing's first tokens per row
     suffixes: torch.Tensor | None = None      # (B, S) infilling: the text after the gap, right-padded
     suffix_mask: torch.Tensor | None = None   # (B, S) True = real suffix token; None when nothing is padded
+    constraint: "Constraint | None" = None    # a structured output's grammar, one matcher per row (kstep/structured)
 
     @classmethod
     def from_prompts(cls, rows: list[list[int]], pad_id: int, stop_ids: list[int], mask_id: int | None,
                      device: torch.device, seed: int | None = None, include_canvas: bool = False,
                      first_allowed: torch.Tensor | None = None,
-                     suffixes: list[list[int]] | None = None) -> "DecodeBatch":
+                     suffixes: list[list[int]] | None = None, constraint: "Constraint | None" = None) -> "DecodeBatch":
         width = max(len(ids) for ids in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         key_mask = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -68,7 +73,7 @@ class DecodeBatch:
             suffix_mask = None if bool(suffix_mask.all()) else suffix_mask.to(device)
         return cls(ids.to(device), key_mask.to(device) if has_padding else None,
                    torch.tensor(stop_ids or [-1], device=device), pad_id, mask_id, generator, include_canvas,
-                   None if first_allowed is None else first_allowed.to(device), suffix_ids, suffix_mask)
+                   None if first_allowed is None else first_allowed.to(device), suffix_ids, suffix_mask, constraint)
 
     @property
     def num_rows(self) -> int:
@@ -78,6 +83,8 @@ class DecodeBatch:
 class Decoder(ABC):
     nfe: int = 0                       # forward passes of its own model so far (the batch's)
     is_finished: bool = False
+    keeps_grammar: bool = False        # it applies DecodeBatch.constraint (kstep/structured/constraint.py)
+    constraint: "Constraint | None" = None  # the batch's, once LLM.make_decoder built it (its figures)
 
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
                  resources: DecoderResources = DecoderResources()):

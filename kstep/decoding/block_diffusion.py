@@ -19,13 +19,12 @@ a block's first token is the argmax of the commit pass's last output; SDAR and L
 A row stops once a stop token has nothing masked before it (the references finish the block first).
 
 `fused_commit` (default; off with `exact`) drops the commit's own pass: a row whose block is
-finished runs [finished block; next block] in its next pass, block-causal like the training pass's
-[clean; noisy] pairs, so the finished block's keys are written and the next block gets its first
-denoising pass at once. Unshifted models' tokens do not change; Fast-dLLM v2's next block is
-predicted with its first token masked, so its tokens may differ from its reference. The commit's
-first token counts toward the pass's minimum; rows not committing run a scratch block (never
-attended) after theirs. Rows keep their own blocks: every pass is one ragged pass.
-"""
+finished runs [finished block; next block] in its next pass (block-causal, as training's [clean;
+noisy] pairs), writing the finished block's keys and denoising the next at once. Unshifted models'
+tokens do not change; Fast-dLLM v2's next block is predicted with its first token masked (its tokens
+may differ from its reference). The commit's first token counts toward the pass's minimum; rows not
+committing run a scratch block (never attended). Every pass is one ragged pass (rows keep their own
+blocks). A structured output's grammar is kept at each row's frontier (kstep/structured)."""
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, final_rows, prefix_step_output
@@ -44,30 +43,27 @@ DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase
 
 
 class BlockDiffusionDecoder(Decoder, BlockExactStep):
+    keeps_grammar = True
     spare_slots = 0  # KV slots past the canvas, never attended (block_cache.py writes keys it must not keep there)
 
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
                  resources: DecoderResources = DecoderResources()):
         rules, prefix_cache = resources.rules, resources.prefix_cache  # (decoding/table.py gives the family's rules)
-        self.runner, self.params, self.rules = runner, params, rules
+        self.runner, self.params, self.rules, self.lengths = runner, params, rules, [0] * batch.num_rows
         self.mask_id, self.stop_ids, self.generator = batch.mask_id, batch.stop_ids, batch.generator
-        self.include_canvas, self.first_allowed = batch.include_canvas, batch.first_allowed
+        self.include_canvas, self.first_allowed, self.grammar = batch.include_canvas, batch.first_allowed, batch.constraint
         prompts, key_mask = batch.prompts, batch.key_mask
         B, W = prompts.shape
-        bs, N = params.block_length, params.max_tokens
-        device = prompts.device
-        self.prompt_width = W
+        bs, N, device, self.prompt_width = params.block_length, params.max_tokens, prompts.device, W
         self.pads = (W - key_mask.sum(-1)) if key_mask is not None else torch.zeros(B, dtype=torch.long, device=device)
         self.prompt_lengths = W - self.pads  # (B,)
         # Slots = canvas columns: row b's position p sits at slot pads[b] + p; room for the last block (it may
         # end up to bs - 1 past max_tokens), the next block's first token, a fused commit's scratch block.
         self.fused = params.fused_commit and W + N + 2 * bs <= runner.cfg.max_positions
         slots = W + N + (2 if self.fused else 1) * bs
-        self.canvas = torch.full((B, slots), self.mask_id, dtype=torch.long, device=device)
-        self.canvas[:, :W] = prompts
-        self.real = torch.ones(B, slots, dtype=torch.bool, device=device)
-        if key_mask is not None:
-            self.real[:, :W] = key_mask
+        self.canvas = torch.cat([prompts, prompts.new_full((B, slots - W), self.mask_id)], 1)
+        self.real = torch.cat([key_mask if key_mask is not None else torch.ones_like(prompts, dtype=torch.bool),
+                               torch.ones(B, slots - W, dtype=torch.bool, device=device)], 1)
         self.kv = runner.allocate_kv(B, slots + self.spare_slots)
         self.block_starts = self.prompt_lengths // bs * bs  # (B,) position of each row's current block
         self.phase = torch.full((B,), DENOISE, dtype=torch.long, device=device)
@@ -80,20 +76,16 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
         self.schedule = None if steps is None else num_transfer_tokens(torch.tensor([bs]), steps)[0].to(device)
         self.rule, self.top = confidence_rule(params.remasking), top_request(params, self.mask_id, self.first_allowed)
         self.needs_prefill = bool((self.prompt_lengths >= bs).any())
-        # An unshifted model's prefill also runs every row's first block (block-causal: the prompt's
-        # blocks get the same keys), so it is that block's first denoising pass too: one pass fewer.
+        # An unshifted model's prefill also runs every row's first block (the prompt's keys are the same):
+        # that block's first denoising pass too, one pass fewer.
         self.fused_prefill = self.fused and not rules.is_shifted
-        # A prompt's whole blocks do not depend on what follows them (block-causal), so requests with
-        # the same prompt share them like an AR prefix: whole cache blocks that are whole model blocks,
-        # one prompt per decoder (unpadded, every row the same), at the model's own block size (its keys').
+        # A prompt's whole blocks do not depend on what follows (block-causal): requests share them as an AR
+        # prefix, one prompt per decoder (unpadded, rows the same), in cache blocks of whole model blocks.
         same_rows = key_mask is None and bool((prompts == prompts[:1]).all())
         shares = prefix_cache is not None and prefix_cache.block_size % bs == 0 and bs == runner.cfg.block_size
         self.prefix_cache = prefix_cache if same_rows and shares else None
-        self.num_cached_tokens = 0
-        self.columns: torch.Tensor | None = None  # the last pass's columns with logits
-        self.row_nfe = torch.zeros(B, dtype=torch.long, device=device)
-        self.nfe, self.is_finished = 0, False
-        self.lengths = [0] * B  # committed tokens reported per row
+        self.num_cached_tokens, self.columns = 0, None  # columns: the last pass's columns with logits
+        self.row_nfe, self.nfe, self.is_finished = torch.zeros(B, dtype=torch.long, device=device), 0, False
 
     def next_passes(self) -> list[ForwardPass]:
         return asking(self._next_passes(), self.top)
@@ -197,12 +189,16 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
 
     def _write_first_token(self, last: PassOutput, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Argmax of the last outputs `last` (B,) at `positions` (B,) for `rows`, if within max_tokens."""
-        proposal = constrain(last.view(-1, 1), (positions - self.prompt_lengths)[:, None], self.stop_ids,
-                             self.params.min_tokens, self.first_allowed)[:, 0]
+        index = positions - self.prompt_lengths
+        proposal = constrain(last.view(-1, 1), index[:, None], self.stop_ids, self.params.min_tokens,
+                             self.first_allowed, self.grammar)[:, 0]
         token = proposal.excluding(self.mask_id).argmax()
-        in_range = rows & (positions - self.prompt_lengths < self.params.max_tokens)
+        in_range = rows & (index < self.params.max_tokens)
         slot = (self.pads + positions).clamp(max=self.canvas.shape[1] - 1)
         current = self.canvas.gather(1, slot[:, None]).squeeze(1)
+        if self.grammar is not None:  # the block's first position is the row's frontier
+            token, in_range = (t[:, 0] for t in self.grammar.step(current[:, None], token[:, None], in_range[:, None],
+                                                                  index[:, None], rows=in_range))
         self.canvas.scatter_(1, slot[:, None], torch.where(in_range, token, current)[:, None])
 
     def block_outputs(self, out: PassOutput, half: torch.Tensor) -> PassOutput:
@@ -230,6 +226,9 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
         if already is not None:
             count = (count - already).clamp(min=0)
         chosen = choose_in_block(block, confidence, rows, count, p, self.mask_id)
+        if self.grammar is not None:  # in order from each row's frontier (kstep/structured/constraint.py)
+            tokens, chosen = self.grammar.step(block, tokens, chosen, positions - self.prompt_lengths[:, None],
+                                               count if p.policy.kind != "threshold" else None, rows)
         if self.editing is not None:  # LLaDA2.1: filled tokens (not the prompt's) it may replace
             editable = (block != self.mask_id) & (positions >= self.prompt_lengths[:, None])
             chosen |= self.editing.edits(block, tokens, probs, block == self.mask_id, editable, rows)
@@ -240,7 +239,8 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
         p = self.params
         positions = self.block_starts[rows, None] + torch.arange(p.block_length, device=rows.device)  # (R, bs)
         allowed = None if self.first_allowed is None else self.first_allowed[rows]
-        out = constrain(out, positions - self.prompt_lengths[rows, None], self.stop_ids, p.min_tokens, allowed)
+        out = constrain(out, positions - self.prompt_lengths[rows, None], self.stop_ids, p.min_tokens, allowed,
+                        self.grammar)
         return block_scores(out, p, self.mask_id, self.rule, self.generator)
 
     def block_step(self, blocks: torch.Tensor, tokens: torch.Tensor, confidence: torch.Tensor, passes: torch.Tensor,

@@ -143,7 +143,7 @@ class DreamDecoder(DiffusionDecoder):
         p = self.params
         start, _ = self.block
         out = constrain(out, (start - self.prompt_len + columns)[None], self.stop_ids, p.min_tokens,
-                        self._first_allowed(rows))
+                        self._first_allowed(rows), self.grammar)
         tokens, scores = dream_scores(out, p, self.mask_id, self.generator)  # (B, t) each
         shape = (tokens.shape[0], p.block_length)
         candidates = tokens.new_zeros(shape).index_copy_(1, columns, tokens)
@@ -169,6 +169,8 @@ class DreamDecoder(DiffusionDecoder):
         else:
             chosen = self._choose_scheduled(confidence, is_masked, step_idx)
         chosen &= is_masked
+        if self.grammar is not None:  # every choice but a threshold's is a count
+            candidates, chosen = self.keep_grammar(block, candidates, chosen, p.policy.kind != "threshold")
         block.copy_(torch.where(chosen, candidates, block))
         if p.early_stop and not p.ignore_eos:
             fill_after_stop(canvas[:, self.prompt_len:self.prompt_len + p.max_tokens], self.stop_ids, self.mask_id)

@@ -58,6 +58,7 @@ def fill_after_stop(completions: torch.Tensor, stop_ids: torch.Tensor, mask_id: 
 
 class DiffusionDecoder(Decoder, CanvasExactStep):
     """Decodes one canvas batch (B rows with the same settings), block by block, one step per pass."""
+    keeps_grammar = True
     logits_shift = 0  # a pass reads the block's predictions at [start, end) - shift (Dream's: 1)
     is_block_sampler = False  # Dream's cached sampler: a block's first pass commits its first token
 
@@ -65,7 +66,7 @@ class DiffusionDecoder(Decoder, CanvasExactStep):
                  resources: DecoderResources = DecoderResources()):
         self.params = p = params
         self.runner, self.mask_id, self.stop_ids, self.generator = runner, batch.mask_id, batch.stop_ids, batch.generator
-        self.include_canvas, self.first_allowed = batch.include_canvas, batch.first_allowed
+        self.include_canvas, self.first_allowed, self.grammar = batch.include_canvas, batch.first_allowed, batch.constraint
         prompts, key_mask, mask_id = batch.prompts, batch.key_mask, batch.mask_id
         B, P = prompts.shape
         N, device = p.max_tokens, prompts.device
@@ -155,7 +156,7 @@ class DiffusionDecoder(Decoder, CanvasExactStep):
         # The mask token is never a candidate (a masked position must become a token); confidence is
         # still scored on the unmodified logits, as the references do.
         proposal = constrain(out.excluding(self.mask_id), (start - self.prompt_len + columns)[None], self.stop_ids,
-                             p.min_tokens, self._first_allowed(rows))
+                             p.min_tokens, self._first_allowed(rows), self.grammar)
         picked = pick_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, t)
         picked_confidence = self.rule(out, picked, self.generator, drawn_over)  # (B, t)
         # Back to the whole block: positions without logits are unmasked already in every row.
@@ -179,11 +180,21 @@ class DiffusionDecoder(Decoder, CanvasExactStep):
         block = canvas[:, start:end]
         is_masked = block == self.mask_id
         chosen = self.policy.choose(confidence.masked_fill(~is_masked, float("-inf")), step_idx) & is_masked
+        if self.grammar is not None:
+            candidates, chosen = self.keep_grammar(block, candidates, chosen, self.params.policy.kind == "fixed")
         block.copy_(torch.where(chosen, candidates, block))
         if self.params.early_stop and not self.params.ignore_eos:
             fill_after_stop(canvas[:, self.prompt_len:self.prompt_len + self.params.max_tokens], self.stop_ids,
                             self.mask_id)
         return chosen
+
+    def keep_grammar(self, block: torch.Tensor, candidates: torch.Tensor, chosen: torch.Tensor,
+                     is_counted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's step under a structured output's grammar (kstep/structured/constraint.py): decided
+        in order from each row's frontier, as many as the schedule chose where it counts (`is_counted`)."""
+        start, end = self.block
+        index = torch.arange(start - self.prompt_len, end - self.prompt_len).expand(block.shape[0], -1)
+        return self.grammar.step(block, candidates, chosen, index, chosen.sum(-1) if is_counted else None)
 
     def end_block(self) -> None:
         self.step_idx = 0

@@ -15,6 +15,7 @@ from kstep.runner.pass_output import PassOutput
 
 if TYPE_CHECKING:
     from kstep.params import GenerationParams
+    from kstep.structured.constraint import Constraint
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -81,11 +82,15 @@ def suppress_stop_tokens(logits: torch.Tensor, stop_ids: torch.Tensor, output_in
 
 
 def constrain_outputs(logits: torch.Tensor, output_index: torch.Tensor | int, stop_ids: torch.Tensor,
-                      min_tokens: int, first_allowed: torch.Tensor | None) -> torch.Tensor:
+                      min_tokens: int, first_allowed: torch.Tensor | None,
+                      grammar: "Constraint | None" = None) -> torch.Tensor:
     """The rules on what completion positions may hold, for logits (B, T, V) of completion tokens
     number `output_index` (an int, or broadcastable to (B, T)): vLLM's min_tokens (no stop token
-    before it), and token healing's constraint on the first token (`first_allowed` (B, V) bool: the
-    tokens that start with the text the prompt gave back)."""
+    before it), token healing's constraint on the first token (`first_allowed` (B, V) bool: the
+    tokens that start with the text the prompt gave back), and a structured output's grammar at each
+    row's commit frontier (kstep/structured/constraint.py)."""
+    if grammar is not None:
+        logits = grammar.mask(logits, output_index)
     if min_tokens:
         logits = suppress_stop_tokens(logits, stop_ids, output_index, min_tokens)
     if first_allowed is None:
@@ -99,9 +104,9 @@ def constrain_outputs(logits: torch.Tensor, output_index: torch.Tensor | int, st
 
 
 def constrain(out: PassOutput, output_index: torch.Tensor | int, stop_ids: torch.Tensor, min_tokens: int,
-              first_allowed: torch.Tensor | None) -> PassOutput:
+              first_allowed: torch.Tensor | None, grammar: "Constraint | None" = None) -> PassOutput:
     """`constrain_outputs` on a pass's outputs (B, T): unchanged when no rule applies (a top-token
     pass is only asked for when none does)."""
-    if not min_tokens and first_allowed is None:
+    if not min_tokens and first_allowed is None and grammar is None:
         return out
-    return out.with_logits(constrain_outputs(out.logits, output_index, stop_ids, min_tokens, first_allowed))
+    return out.with_logits(constrain_outputs(out.logits, output_index, stop_ids, min_tokens, first_allowed, grammar))

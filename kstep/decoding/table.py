@@ -85,6 +85,19 @@ def make_decoder(family: Family, runner: ModelRunner, batch: DecodeBatch, params
     return decoder if row.wrapper is None else row.wrapper(decoder, params.num_draft_tokens)
 
 
+def grammar_refusal(family: Family, params: GenerationParams) -> str | None:
+    """Why a structured output cannot run with `family` under resolved `params` (the decoder that
+    would serve it does not keep a grammar yet: `Decoder.keeps_grammar`), or None when it can."""
+    row = choose(family, params)
+    if row.wrapper is not None:
+        return f"with draft 'self' ({row.name}) yet"
+    if not row.decoder.keeps_grammar:
+        return f"by {row.name} ({family.name}{f', mode {params.mode}' if params.mode else ''}) yet"
+    if params.editing_threshold is not None:
+        return "with token editing (editing_threshold) yet"
+    return None
+
+
 # --- The table as docs/decoding.md prints it ------------------------------------------------------
 
 # Request settings shown per family: (column, knobs). A cell is the decoder, or why the knobs are refused.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from kstep.params.denoising import (DEFAULT_NUM_DRAFT_TOKENS, SELF_DRAFT, UnmaskPolicy, resolve_block_diffusion,
                                     resolve_diffusion)
 from kstep.params.validation import MAX_SEED, check_int, check_number, check_pass_bound
+from kstep.structured.spec import StructuredSpec
 from kstep.kinds import AUTOREGRESSIVE, BLOCK_DIFFUSION, DIFFUSION, MODES, SELF_SPECULATION, UNIFORM_DIFFUSION
 
 TRI_MODE = ("nemotron_labs_diffusion",)  # the families that take `mode` (those the registry gives modes)
@@ -105,6 +106,9 @@ class GenerationParams:
                                         (AUTOREGRESSIVE, *DENOISING))
     draft: str | None = knob(None, "self: lossless self-speculation, the exact sampler's tokens in fewer passes "
                                    "(num_draft_tokens steps drafted per pass)", DENOISING, (SELF_DRAFT,), flag=False)
+    structured: StructuredSpec | None = knob(None, "the output must match this JSON schema, regex, choice or grammar "
+                                                   "(kstep/structured; over HTTP response_format / structured_outputs)",
+                                             server_default=False, http=False, flag=False)
     time_budget: float | None = knob(None, "seconds the completion may take: the passes are chosen to fit, from "
                                            "this device's measured pass costs (diffusion: fewer passes; AR: fewer "
                                            "tokens)", server_default=False)
@@ -152,6 +156,12 @@ class GenerationParams:
                              "scores negative entropy: use low_confidence, margin or random")
         if self.threshold is not None and self.factor is not None:
             raise ValueError("threshold and factor are two unmask policies: give one, not both")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredSpec):
+                raise ValueError(f"structured must be a StructuredSpec, got {type(self.structured).__name__}")
+            if self.ignore_eos:
+                raise ValueError(f"ignore_eos: a structured output ({self.structured.field}) ends where its grammar "
+                                 "does, with an end-of-sequence token")
         if self.exact and (self.threshold is not None or self.factor is not None):
             raise ValueError(f"{'threshold' if self.threshold is not None else 'factor'}: exact is the reference "
                              "sampler's fixed schedule, which takes no threshold or factor")

@@ -1,0 +1,101 @@
+"""A decoder batch under a grammar: how every decoder, autoregressive or diffusion, keeps each row's
+committed tokens a valid, completable prefix of the language (docs/decoding.md, "Structured outputs").
+
+The commit frontier. A row's completion is decided left to right, whatever order its sampler would
+choose: the matcher (matcher.py) has taken exactly the row's leading decided run, its frontier is
+the first undecided position, and a step may decide only a contiguous run from there. Two hooks,
+called by every decoder at the places it already constrains and chooses:
+
+- `mask`: on the logits a sampler proposes from, the frontier's column of each row takes only the
+  tokens the grammar allows there (its state is known: everything before it is decided). Called from
+  decoding/sampling.py's `constrain`, beside min_tokens and token healing.
+- `step`: after the sampler proposed a candidate for each column and its policy chose some, the run
+  from the frontier is walked in order. A position takes the grammar's forced token (one that no
+  other text could replace: keys, braces, quotes; placed without the model choosing), else the
+  model's candidate when the policy chose it (or the schedule still owes tokens), if the grammar
+  admits it and a completion after it still fits the room left; the walk ends at the first position
+  that does not. The frontier's own position is always decided (a refused candidate there becomes
+  the known completion's next token), so every pass moves each row on. What the policy chose past
+  the walk stays masked: the next pass predicts it again, against the decided text.
+
+So every token that leaves the canvas was checked in order against the matcher, and the room never
+holds less than a known completion (its end-of-sequence token included): a constrained row ends
+with "stop" and valid output whenever the search found a completion that fits at the start, and
+the request is refused at admission otherwise (llm.py)."""
+import torch
+
+from kstep.structured.grammar import Grammar
+from kstep.structured.matcher import RowMatcher
+
+
+class Constraint:
+    def __init__(self, grammar: Grammar, num_rows: int, max_tokens: int, stop_ids: list[int], vocab_size: int,
+                 mask_id: int | None):
+        # `mask_id`: what an undecided position holds in `step`'s blocks (an AR model has none: -1)
+        self.grammar, self.max_tokens, self.mask_id = grammar, max_tokens, -1 if mask_id is None else mask_id
+        self.rows = [RowMatcher(grammar, stop_ids, vocab_size) for _ in range(num_rows)]
+        self.num_forced = 0      # tokens the grammar forced, placed without the model choosing them
+        self.num_fallbacks = 0   # frontier candidates refused and replaced by the known completion's token
+
+    def frontier(self) -> list[int]:
+        """Each row's first undecided completion index."""
+        return [row.num_committed for row in self.rows]
+
+    def mask(self, logits: torch.Tensor, output_index: torch.Tensor | int) -> torch.Tensor:
+        """Logits (B, T, V) of completion positions `output_index` (an int, or broadcastable to (B, T)),
+        with each row's frontier column limited to the tokens its grammar allows (module note)."""
+        allowed = torch.stack([row.allowed() for row in self.rows]).to(logits.device)  # (B, V)
+        width = logits.shape[-1]
+        if allowed.shape[1] < width:  # the head is wider than the tokenizer's table: those ids never
+            allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], width - allowed.shape[1])], 1)
+        frontier = torch.tensor(self.frontier(), device=logits.device)[:, None]  # (B, 1)
+        at_frontier = (torch.as_tensor(output_index, device=logits.device) == frontier).expand(logits.shape[:2])
+        return logits.masked_fill(at_frontier[..., None] & ~allowed[:, None, :width], float("-inf"))
+
+    def step(self, block: torch.Tensor, candidates: torch.Tensor, chosen: torch.Tensor, index: torch.Tensor,
+             count: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The walk from each row's frontier (module note) over columns whose completion indices are
+        `index` (B, T), ascending: `block` holds their tokens (the mask id where undecided), the
+        sampler's `candidates` and its policy's `chosen` (B, T); `count` (B,): tokens the schedule
+        owes this pass (a fixed schedule's); `rows` (B,): the rows this pass decides for. Returns the
+        tokens and the positions decided (B, T): the decoder writes those, nothing else."""
+        B, T = block.shape
+        tokens, decided = candidates.tolist(), [[False] * T for _ in range(B)]
+        blk, want, idx = block.tolist(), chosen.tolist(), index.tolist()
+        owed = count.tolist() if count is not None else [0] * B
+        live = rows.tolist() if rows is not None else [True] * B
+        for b, row in enumerate(self.rows):
+            if not live[b] or row.num_committed not in idx[b]:
+                continue
+            c, taken, model_taken = idx[b].index(row.num_committed), 0, 0
+            while c < T and blk[b][c] == self.mask_id:
+                room = self.max_tokens - idx[b][c]
+                forced = row.forced() if room > 0 or row.is_closed else None  # a closed row: stop tokens
+                if forced is not None and row.admit(forced, room):
+                    tokens[b][c] = forced
+                    self.num_forced += 1
+                elif room > 0 and (model_taken == 0 or want[b][c] or model_taken < owed[b]):
+                    if not row.admit(tokens[b][c], room):
+                        if taken:  # moved on already: the model proposes again, against what was decided
+                            break
+                        tokens[b][c] = row.fallback()
+                        self.num_fallbacks += 1
+                        if not row.admit(tokens[b][c], room):
+                            raise RuntimeError("internal: a grammar's known completion did not fit its room")
+                    model_taken += 1
+                else:
+                    break
+                decided[b][c], taken, c = True, taken + 1, c + 1
+        return (torch.tensor(tokens, dtype=candidates.dtype, device=candidates.device),
+                torch.tensor(decided, device=candidates.device))
+
+    def stats(self) -> dict[str, float]:
+        """The grammar's figures for a result's timings: compile time, masks and their time, closing
+        searches, tokens placed without the model choosing them."""
+        masks = sum(row.counts["masks"] for row in self.rows)
+        seconds = sum(row.counts["mask_seconds"] for row in self.rows)
+        return {"grammar_compile_seconds": self.grammar.compile_seconds, "grammar_masks": masks,
+                "grammar_mask_seconds": seconds,
+                "grammar_searches": sum(row.counts["searches"] for row in self.rows),
+                "grammar_search_seconds": sum(row.counts["search_seconds"] for row in self.rows),
+                "grammar_forced_tokens": self.num_forced, "grammar_fallbacks": self.num_fallbacks}

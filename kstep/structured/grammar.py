@@ -1,0 +1,91 @@
+"""A model's grammar engine: llguidance (guidance-ai/llguidance), its token tables built once per
+model from the checkpoint's tokenizer.json, and each request's spec compiled once and cached.
+
+Why llguidance (measured in docs/benchmarks.md, `kstep bench structured --engines`): it installs as
+one dependency-free wheel (xgrammar pulls transformers, triton and a TVM runtime), compiles a
+real-world schema in under a millisecond, and refuses the schema features it cannot enforce instead
+of under-constraining them; vLLM, SGLang and llama.cpp ship it too.
+
+Two token tables per model: the model's own (the masks a sampler applies) and one of the 256 bytes
+(matcher.py's search for the shortest completion walks bytes, whose masks are 257 bits wide).
+Compilation is bounded by llguidance's fuel limits (a pathological regex or schema is refused with
+its error, never a stuck slot), and a spec the engine refuses is a ValueError naming the request field."""
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import llguidance
+
+from kstep.structured.spec import StructuredSpec
+
+CACHE_SIZE = 256           # compiled grammars kept per model
+# llguidance's defaults, stated: lexer fuel bounds a compile (~50k units/ms: ~20 ms) and a mask (~14 ms)
+LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=500_000)
+BYTE_EOS = 256             # the byte table's end-of-sequence token
+# JSON as json.dumps writes it, no other whitespace: the layout is forced text (no pass spent on it,
+# none wasted on runs of blanks), the values are the model's; a schema's "x-guidance" may change it
+JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+class _Bytes:
+    """The byte table as llguidance's TokenizerWrapper reads it: token b is byte b, then an end token."""
+    eos_token_id, bos_token_id = BYTE_EOS, None
+    tokens = [bytes([b]) for b in range(256)] + [b"<|end|>"]
+    special_token_ids = [BYTE_EOS]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode())
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A compiled spec for one model: llguidance's grammar text, checked against both token tables."""
+    spec: StructuredSpec
+    text: str
+    tokens: llguidance.LLTokenizer
+    bytes: llguidance.LLTokenizer
+    compile_seconds: float
+
+    def matcher(self, table: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(table, self.text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
+
+
+class GrammarCompiler:
+    """One model's tables and its cache of compiled grammars (keyed by spec: equal schemas share one)."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, stop_ids: list[int]):
+        start = time.perf_counter()
+        self.tokens = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size, eos_token=list(stop_ids))
+        self.bytes = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
+        self.table_seconds = time.perf_counter() - start
+        self.cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+
+    def compile(self, spec: StructuredSpec) -> Grammar:
+        """The grammar of `spec` (cached); a ValueError naming spec.field when the engine refuses it."""
+        key = (spec.kind, spec.value)
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            return self.cache[key]
+        start = time.perf_counter()
+        try:
+            text = llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_LAYOUT) \
+                if spec.kind == "json" else llguidance.grammar_from(spec.kind, spec.value)
+        except ValueError as e:
+            raise ValueError(f"{spec.field}: {e}") from None
+        grammar = Grammar(spec, text, self.tokens, self.bytes, 0.0)
+        for table in (self.tokens, self.bytes):
+            matcher = grammar.matcher(table)
+            if matcher.is_error():
+                raise ValueError(f"{spec.field}: the {spec.kind} cannot be enforced: {_first_line(matcher.get_error())}")
+        grammar = Grammar(spec, text, self.tokens, self.bytes, time.perf_counter() - start)
+        self.cache[key] = grammar
+        if len(self.cache) > CACHE_SIZE:
+            self.cache.popitem(last=False)
+        return grammar
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the grammar listing it appends (the request's own text)."""
+    lines = [line for line in error.strip().splitlines() if line.strip()]
+    return " ".join(lines[:4])[:500]

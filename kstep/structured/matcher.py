@@ -1,0 +1,167 @@
+"""One row's grammar state: what its next token may be, what it must be, and how short a valid
+completion from here can be.
+
+Two llguidance matchers walk the row's committed tokens in step: one over the model's tokens (the
+masks the sampler applies, the tokens the grammar forces) and one over bytes, for `closing`: a
+valid completion from the current state, found greedily byte by byte. At each byte it takes the
+first allowed one in a fixed preference (closers `} ] ) "` first, then digits and letters, then the
+other punctuation, openers `, [ { (` and whitespace last) that changes what may follow (a byte that
+leaves the allowed set as it was is a loop: `aaaa` in `[a-z]+@`); forced bytes go in at once. The
+completion found is valid by construction but not always the shortest: its length is an upper bound,
+so keeping it within the room left is safe (the row never commits a token after which the bound
+does not fit), only sometimes early to close. Its cost counts the end-of-sequence token too: a
+constrained row always ends with one (finish_reason "stop")."""
+import time
+
+import numpy as np
+import torch
+
+from kstep.structured.grammar import Grammar
+
+_WHITESPACE = b" \n\t\r"
+_FIRST = b'}])"\'`>0123456789' + bytes(range(97, 123)) + bytes(range(65, 91)) + b":-._"
+_LAST = b",[{(\\"
+# the byte preference of the closing search (module note); every byte once
+PREFERENCE = [*_FIRST, *(b for b in range(33, 127) if b not in _FIRST + _LAST), *_LAST, *range(127, 256),
+              *(b for b in range(33) if b not in _WHITESPACE), *_WHITESPACE]
+NARROW_TRIES = 8     # options looked at for a byte that changes the state, until...
+LOOPS_BEFORE_WIDE = 4  # ... this many bytes in a row changed nothing: then all of them
+MAX_CLOSING_BYTES = 4096
+
+
+def _bits(mask: bytes, width: int) -> np.ndarray:
+    return np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:width]
+
+
+def closing_bytes(matcher) -> bytes | None:
+    """A valid completion (bytes) from a byte-table matcher's state (module note), or None when the
+    search finds none within MAX_CLOSING_BYTES. The matcher is left as it was."""
+    state, out, loops = matcher.deep_copy(), bytearray(), 0
+    signature = state.compute_bitmask()
+    while not state.is_accepting():
+        forced = state.compute_ff_bytes()
+        if forced:
+            state.consume_tokens(list(forced))
+            out += forced
+            signature = state.compute_bitmask()
+        else:
+            allowed = _bits(signature, 256)
+            options = [b for b in PREFERENCE if allowed[b]]
+            if not options:
+                return None
+            tries = options if loops >= LOOPS_BEFORE_WIDE else options[:NARROW_TRIES]
+            for byte in tries:
+                child = state.deep_copy()
+                child.consume_token(byte)
+                child_signature = child.compute_bitmask()
+                if child.is_accepting() or child_signature != signature:
+                    state, signature, loops = child, child_signature, 0
+                    break
+            else:
+                byte, loops = options[0], loops + 1
+                state.consume_token(byte)
+            out.append(byte)
+        if len(out) > MAX_CLOSING_BYTES or state.is_error():
+            return None
+    return bytes(out)
+
+
+class RowMatcher:
+    """One row's state under a grammar (module note). `num_committed`: the row's completion tokens
+    it has taken, all valid, in order; `is_closed` once it took an end-of-sequence token. It always
+    knows one valid completion from its state (`closing`: bytes, and their tokens then the stop
+    token) whose cost fits the room its caller gave: every token is taken through `admit`, which
+    refuses one after which no known completion fits, and `fallback` (the known completion's next
+    token) is always admitted."""
+
+    def __init__(self, grammar: Grammar, stop_ids: list[int], vocab_size: int):
+        self.tokens, self.bytes = grammar.matcher(grammar.tokens), grammar.matcher(grammar.bytes)
+        self.table, self.stop_ids, self.vocab_size = grammar.tokens, stop_ids, vocab_size
+        self.stop_token = stop_ids[0]
+        self.num_committed, self.is_closed = 0, False
+        self._allowed: torch.Tensor | None = None   # the current state's mask, until the next commit
+        self._forced: list[int] | None = None       # the current state's forced tokens, until the next commit
+        self._token_bytes: dict[int, bytes] = {}
+        self.counts = {"masks": 0, "mask_seconds": 0.0, "searches": 0, "search_seconds": 0.0}
+        found = self._search(self.bytes)
+        self.closing = None if found is None else (found, self._tokens_after(self.tokens, found))
+
+    def cost(self) -> int | None:
+        """Positions the known completion takes, its end-of-sequence token included (None: none known)."""
+        return None if self.closing is None else len(self.closing[1])
+
+    def allowed(self) -> torch.Tensor:
+        """(V,) bool: the tokens the grammar allows next (end-of-sequence once it accepts)."""
+        if self._allowed is None:
+            start = time.perf_counter()
+            if self.is_closed:
+                allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
+                allowed[self.stop_token] = True
+            else:
+                allowed = torch.from_numpy(_bits(self.tokens.compute_bitmask(), self.vocab_size).astype(bool))
+            self._allowed = allowed
+            self.counts["masks"] += 1
+            self.counts["mask_seconds"] += time.perf_counter() - start
+        return self._allowed
+
+    def forced(self) -> int | None:
+        """The next token when the grammar allows only one text (placed without a pass), else None."""
+        if self.is_closed or self.tokens.is_stopped():
+            return self.stop_token
+        if self._forced is None:
+            self._forced = list(self.tokens.compute_ff_tokens())
+        return self._forced[0] if self._forced else None
+
+    def fallback(self) -> int:
+        """The known completion's next token: always admitted where the state's own cost fitted."""
+        return self.stop_token if self.is_closed else self.closing[1][0]
+
+    def admit(self, token: int, room: int) -> bool:
+        """Take `token` as the row's next one if the grammar allows it and a known completion after
+        it fits in the `room` positions left from it (its own included); else change nothing."""
+        if self.is_closed or token in self.stop_ids:
+            if not (self.is_closed or self.tokens.is_accepting()) or token not in self.stop_ids:
+                return False
+            if not self.is_closed and not self.tokens.consume_token(token):
+                raise RuntimeError(f"internal: the grammar refused end-of-sequence when accepting ({token})")
+            self.num_committed, self.is_closed, self._allowed = self.num_committed + 1, True, None
+            return True
+        if self.tokens.validate_tokens([token]) != 1:
+            return False
+        text = self._bytes_of(token)
+        after = self.bytes.deep_copy()
+        if not after.consume_tokens(list(text)):
+            return False
+        known, _ = self.closing
+        rest = known[len(text):] if known.startswith(text) else self._search(after)  # the known one goes on
+        if rest is None:
+            return False
+        tokens = self.tokens.deep_copy()
+        tokens.consume_token(token)
+        rest_tokens = self._tokens_after(tokens, rest)
+        if 1 + len(rest_tokens) > room:
+            return False
+        self.tokens, self.bytes, self.closing = tokens, after, (rest, rest_tokens)
+        self.num_committed += 1
+        self._allowed = self._forced = None
+        return True
+
+    def _bytes_of(self, token: int) -> bytes:
+        if token not in self._token_bytes:
+            self._token_bytes[token] = self.table.decode_bytes([token])
+        return self._token_bytes[token]
+
+    def _tokens_after(self, tokens, text: bytes) -> list[int]:
+        """`text` as model tokens the token matcher `tokens` takes from its state, then the stop token:
+        the tokenizer's, or byte by byte where the grammar refuses that split."""
+        ids = self.table.tokenize_bytes(text) if text else []
+        if ids and tokens.validate_tokens(ids) != len(ids):
+            ids = [i for b in text for i in self.table.tokenize_bytes(bytes([b]))]
+        return [*ids, self.stop_token]
+
+    def _search(self, matcher) -> bytes | None:
+        start = time.perf_counter()
+        found = closing_bytes(matcher)
+        self.counts["searches"] += 1
+        self.counts["search_seconds"] += time.perf_counter() - start
+        return found
