@@ -5,9 +5,11 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from kstep.flags import add_command, add_device_flags, add_knob_flags, params_from_args
 from kstep.params import SELF_DRAFT
+from kstep.structured import StructuredSpec
 
 
 def _ids(text: str) -> list[int]:
@@ -37,6 +39,12 @@ def add_generate(sub) -> None:
                           "(lookup in the prompt and output, no model); for a diffusion model 'self' (lossless "
                           "self-speculation: --exact's tokens in fewer passes, --num-draft-tokens per pass)")
     add_device_flags(gen, parallel=True)
+    shape = gen.add_mutually_exclusive_group()  # a structured output (kstep/structured): one of them
+    shape.add_argument("--json-schema", default=None, metavar="FILE", help="the output is JSON matching this schema")
+    shape.add_argument("--regex", default=None, metavar="R", help="the output matches this regular expression")
+    shape.add_argument("--choice", default=None, metavar="A,B,...", help="the output is one of these strings")
+    shape.add_argument("--grammar", default=None, metavar="FILE", help="the output is in this grammar (Lark, or "
+                                                                      "llama.cpp's GBNF)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     gen.add_argument("--quantize", default=None, choices=["int8", "int4"],
                      help="weight-only quantization of the linear layers at load time")
@@ -48,6 +56,8 @@ def run_generate(args: argparse.Namespace) -> int:
     params = params_from_args(args)
     if args.draft == SELF_DRAFT:  # a request knob, not a model to load
         params, args.draft = replace(params, draft=SELF_DRAFT), None
+    if (structured := structured_from_args(args)) is not None:
+        params = replace(params, structured=structured)
     if not args.prompts and not args.prompt_ids:
         raise ValueError("no prompt given: pass PROMPT text or --prompt-ids")
     if any(p == "" for p in args.prompts) or any(not ids for ids in args.prompt_ids):
@@ -77,6 +87,24 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"-- {result.completion_tokens} tokens, finish_reason={result.finish_reason}, nfe={result.nfe}, "
               f"{result.seconds:.2f} s, {result.tokens_per_forward:.2f} tokens/forward{spec}", file=sys.stderr)
     return 0
+
+
+def structured_from_args(args: argparse.Namespace) -> StructuredSpec | None:
+    """The structured output `kstep generate`'s flags ask for (a file that cannot be read: a ValueError naming it)."""
+    def read(flag: str, path: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError as e:
+            raise ValueError(f"{flag} {path!r}: {e.strerror}") from None
+    if args.json_schema is not None:
+        return StructuredSpec.json_schema(read("--json-schema", args.json_schema), "--json-schema")
+    if args.regex is not None:
+        return StructuredSpec("regex", args.regex, "--regex")
+    if args.choice is not None:
+        return StructuredSpec.choice(args.choice.split(","), "--choice")
+    if args.grammar is not None:
+        return StructuredSpec("grammar", read("--grammar", args.grammar), "--grammar")
+    return None
 
 
 SIZE_FLAGS = {"d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int, "ffn_dim": int,

@@ -109,7 +109,7 @@ class AutoregressiveDecoder(Decoder):
         """The sampled tokens (B,) as the grammar keeps them (constraint.py's walk over one column)."""
         B, live = token.shape[0], ~self.finished
         kept, _ = self.grammar.step(torch.full((B, 1), self.grammar.mask_id), token[:, None], live[:, None],
-                                    torch.full((B, 1), self.num_generated), rows=live)
+                                    torch.full((B, 1), self.num_generated), rows=live, is_free=False)
         return kept[:, 0]
 
     def _forced(self) -> torch.Tensor | None:

@@ -20,7 +20,6 @@ NOT_SUPPORTED: dict[str, Callable[[object], bool]] = {
     "top_logprobs": _empty,
     "logit_bias": _empty,
     "best_of": lambda v: v is None or v == 1,
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "tools": _empty,
     "tool_choice": lambda v: v is None or v == "none",
     "functions": _empty,

@@ -13,6 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from kstep.params import GenerationParams, user_knobs
 from kstep.server.fields import IGNORED, first_unsupported, unknown_field_message
+from kstep.server.structured_fields import structured_spec
 
 
 def _unicode(text: str) -> str:
@@ -54,8 +55,9 @@ class KnownFields(BaseModel):
     @classmethod
     def _refuse_unknown(cls, data):
         if isinstance(data, dict):
+            known = {f.alias or name for name, f in cls.model_fields.items()}
             for name in data:
-                if name not in cls.model_fields:
+                if name not in known:
                     message = unknown_field_message(name, set(cls.model_fields), cls.where, _elsewhere(cls))
                     raise PydanticCustomError("unknown_field", "{message}", {"message": message, "field": name})
         return data
@@ -74,6 +76,39 @@ class StreamOptions(KnownFields):
     include_canvas: StrictBool = False     # kstep: chunks carry the whole canvas and the step index
 
 
+class JsonSchemaFormat(KnownFields):
+    where: ClassVar[str] = "response_format.json_schema"
+
+    name: Text
+    description: Text | None = None
+    schema_: dict | StrictBool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(KnownFields):
+    """OpenAI's response_format (structured_fields.py reads it)."""
+    where: ClassVar[str] = "response_format"
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(KnownFields):
+    """vLLM's structured_outputs (structured_fields.py reads it: one of the first five)."""
+    where: ClassVar[str] = "structured_outputs"
+
+    json_: dict | StrictBool | Text | None = Field(default=None, alias="json")  # (BaseModel has a .json)
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+    disable_fallback: StrictBool | None = None        # kstep never falls back to free text
+    disable_any_whitespace: StrictBool | None = None  # kstep's JSON has json.dumps's spaces only
+    disable_additional_properties: StrictBool | None = None
+    whitespace_pattern: Text | None = None
+    structural_tag: Any = None
+
+
 class SamplingFields(KnownFields, KstepFields):
     model: Text
     max_tokens: StrictInt | None = None
@@ -90,6 +125,8 @@ class SamplingFields(KnownFields, KstepFields):
     frequency_penalty: Number | None = None
     logprobs: StrictBool | StrictInt | None = None
     logit_bias: Any = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -120,6 +157,7 @@ class SamplingFields(KnownFields, KstepFields):
         fields.update({name: getattr(self, name) for name in KSTEP_FIELDS if getattr(self, name) is not None})
         if self.exact is None and any(getattr(self, n) is not None for n in ("cache", "threshold", "factor")):
             fields.pop("exact", None)  # a request choosing a cache or policy overrides a server-wide --exact
+        fields["structured"] = structured_spec(self.response_format, self.structured_outputs)
         return GenerationParams(**fields)
 
 
@@ -155,7 +193,6 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     # OpenAI's chat fields kstep does not honour (fields.py: refused unless their no-op, or ignored)
     top_logprobs: Any = None
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None

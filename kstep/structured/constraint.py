@@ -53,11 +53,13 @@ class Constraint:
         return logits.masked_fill(at_frontier[..., None] & ~allowed[:, None, :width], float("-inf"))
 
     def step(self, block: torch.Tensor, candidates: torch.Tensor, chosen: torch.Tensor, index: torch.Tensor,
-             count: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             count: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+             is_free: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The walk from each row's frontier (module note) over columns whose completion indices are
         `index` (B, T), ascending: `block` holds their tokens (the mask id where undecided), the
         sampler's `candidates` and its policy's `chosen` (B, T); `count` (B,): tokens the schedule
-        owes this pass (a fixed schedule's); `rows` (B,): the rows this pass decides for. Returns the
+        owes this pass (a fixed schedule's); `rows` (B,): the rows this pass decides for; `is_free`:
+        whether forced tokens count as placed without a pass (not an AR pass's own token). Returns the
         tokens and the positions decided (B, T): the decoder writes those, nothing else."""
         B, T = block.shape
         tokens, decided = candidates.tolist(), [[False] * T for _ in range(B)]
@@ -73,7 +75,7 @@ class Constraint:
                 forced = row.forced() if room > 0 or row.is_closed else None  # a closed row: stop tokens
                 if forced is not None and row.admit(forced, room):
                     tokens[b][c] = forced
-                    self.num_forced += 1
+                    self.num_forced += is_free
                 elif room > 0 and (model_taken == 0 or want[b][c] or model_taken < owed[b]):
                     if not row.admit(tokens[b][c], room):
                         if taken:  # moved on already: the model proposes again, against what was decided

@@ -19,6 +19,7 @@ import llguidance
 
 from kstep.structured.spec import StructuredSpec
 
+KIND_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 CACHE_SIZE = 256           # compiled grammars kept per model
 # llguidance's defaults, stated: lexer fuel bounds a compile (~50k units/ms: ~20 ms) and a mask (~14 ms)
 LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=500_000)
@@ -77,7 +78,8 @@ class GrammarCompiler:
         for table in (self.tokens, self.bytes):
             matcher = grammar.matcher(table)
             if matcher.is_error():
-                raise ValueError(f"{spec.field}: the {spec.kind} cannot be enforced: {_first_line(matcher.get_error())}")
+                raise ValueError(f"{spec.field}: the {KIND_NAMES[spec.kind]} cannot be enforced: "
+                                 f"{_first_line(matcher.get_error())}")
         grammar = Grammar(spec, text, self.tokens, self.bytes, time.perf_counter() - start)
         self.cache[key] = grammar
         if len(self.cache) > CACHE_SIZE:
