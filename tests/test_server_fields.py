@@ -58,7 +58,6 @@ def test_chat_and_nested_unknown_fields_are_named(llada_server):
     (False, "logprobs", 2),
     (True, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     (True, "tool_choice", "required"),
-    (True, "response_format", {"type": "json_object"}),
     (True, "top_logprobs", 2),
     (True, "reasoning_effort", "low"),
     (True, "modalities", ["text", "audio"]),
