@@ -33,7 +33,8 @@ CASES = [("llama", {}), ("llama", {"temperature": 1.0, "seed": 3}), ("qwen2", {}
          ("llada_moe", {}), ("dream", {}), ("dream", {"exact": True}), ("dream", {"cache": "none"}),
          ("fast_dllm_v2", {}), ("fast_dllm_v2", {"cache": "dual"}), ("fast_dllm_v2", {"exact": True}),
          ("sdar", {}), ("sdar", {"steps": 4, "temperature": 1.0, "seed": 2}), ("llada2_moe", {}),
-         ("nemotron_labs_diffusion", {"mode": "ar"})]
+         ("nemotron_labs_diffusion", {"mode": "ar"}), ("nemotron_labs_diffusion", {}),
+         ("nemotron_labs_diffusion", {"exact": True, "temperature": 1.0, "seed": 4})]
 
 
 @pytest.fixture(scope="module")

@@ -37,11 +37,12 @@ DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase once the prompt is in
 
 
 class CausalContextDecoder(Decoder):
+    keeps_grammar = True
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
                  resources: DecoderResources = DecoderResources()):
         self.runner, self.params = runner, params
         self.mask_id, self.stop_ids, self.generator = batch.mask_id, batch.stop_ids, batch.generator
-        self.include_canvas, self.first_allowed = batch.include_canvas, batch.first_allowed
+        self.include_canvas, self.first_allowed, self.grammar = batch.include_canvas, batch.first_allowed, batch.constraint
         prompts, key_mask = batch.prompts, batch.key_mask
         B, W = prompts.shape
         bs, N, device = params.block_length, params.max_tokens, prompts.device
@@ -123,9 +124,13 @@ class CausalContextDecoder(Decoder):
         output `last` (B,), as an AR step (the reference writes it whatever it is)."""
         p, bs = self.params, self.params.block_length
         index = self.block_idx * bs  # (B,) its place in the completion
-        last = constrain(last.view(-1, 1), index[:, None], self.stop_ids, p.min_tokens, self.first_allowed)[:, 0]
+        last = constrain(last.view(-1, 1), index[:, None], self.stop_ids, p.min_tokens, self.first_allowed,
+                         self.grammar)[:, 0]
         token = pick_tokens(last, p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
         slot = (self.prompt_width + index)[:, None]
+        if self.grammar is not None:  # the block's first position is the row's frontier (kstep/structured)
+            token, rows = (t[:, 0] for t in self.grammar.step(self.canvas.gather(1, slot), token[:, None],
+                                                              rows[:, None], index[:, None], rows=rows))
         self.canvas.scatter_(1, slot, torch.where(rows, token, self.canvas.gather(1, slot)[:, 0])[:, None])
         if p.steps is not None:  # the block's masks, split over `steps` passes (the reference's schedule)
             masks = (self.canvas.gather(1, slot + torch.arange(bs, device=slot.device)) == self.mask_id).sum(-1)
@@ -140,7 +145,7 @@ class CausalContextDecoder(Decoder):
         index = (self.block_idx * bs)[:, None] + torch.arange(bs, device=out.device)  # (B, bs) in the completion
         slots = self.prompt_width + index
         block = self.canvas.gather(1, slots)
-        out = constrain(out, index, self.stop_ids, p.min_tokens, self.first_allowed)
+        out = constrain(out, index, self.stop_ids, p.min_tokens, self.first_allowed, self.grammar)
         tokens = pick_tokens(out.excluding(self.mask_id), p.temperature, self.generator, p.top_k, p.top_p)
         confidence = sampled_probability(out, tokens, p) if p.remasking == "low_confidence" else \
             self.rule(out, tokens, self.generator).float()  # (B, bs)
@@ -151,7 +156,11 @@ class CausalContextDecoder(Decoder):
         chosen = choose_top(confidence, torch.minimum(count, is_masked.sum(-1)), bs)
         if p.policy.kind == "threshold":
             chosen |= confidence >= p.policy.value
-        self.canvas.scatter_(1, slots, torch.where(chosen & is_masked, tokens, block))
+        chosen &= is_masked
+        if self.grammar is not None:  # in order from each row's frontier (kstep/structured/constraint.py)
+            tokens, chosen = self.grammar.step(block, tokens, chosen, index,
+                                               None if p.policy.kind == "threshold" else count, rows)
+        self.canvas.scatter_(1, slots, torch.where(chosen, tokens, block))
         self.passes_in_block += rows
 
     def _update_phases(self) -> None:

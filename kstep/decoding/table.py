@@ -131,8 +131,10 @@ def _rule(params: GenerationParams) -> str:
 
 def markdown() -> str:
     """The decoder rows, then per family the decoder each setting gets (docs/decoding.md)."""
-    lines = ["| decoder key | when | decoder |", "|---|---|---|"]
-    lines += [f"| {row.key} | {', '.join(c.text for c in row.when) or 'otherwise'} | `{row.name}` |" for row in TABLE]
+    lines = ["| decoder key | when | decoder | keeps a structured output's grammar |", "|---|---|---|---|"]
+    lines += [f"| {row.key} | {', '.join(c.text for c in row.when) or 'otherwise'} | `{row.name}` | "
+              f"{'yes' if row.decoder.keeps_grammar and row.wrapper is None else 'not yet (refused)'} |"
+              for row in TABLE]
     lines += ["", "| family (key) | " + " | ".join(name for name, _ in SETTINGS) + " |",
               "|---" * (len(SETTINGS) + 1) + "|"]
     for family in FAMILIES.values():
