@@ -33,6 +33,9 @@ CASES = [("llama", {}), ("llama", {"temperature": 1.0, "seed": 3}), ("qwen2", {}
          ("llada_moe", {}), ("dream", {}), ("dream", {"exact": True}), ("dream", {"cache": "none"}),
          ("fast_dllm_v2", {}), ("fast_dllm_v2", {"cache": "dual"}), ("fast_dllm_v2", {"exact": True}),
          ("sdar", {}), ("sdar", {"steps": 4, "temperature": 1.0, "seed": 2}), ("llada2_moe", {}),
+         ("llada2_moe", {"editing_threshold": 0.05, "max_post_steps": 4}),
+         ("llada2_moe", {"editing_threshold": 0.01, "temperature": 1.0, "seed": 6}),
+         ("diffusion_gemma", {}), ("diffusion_gemma", {"temperature": 1.0, "seed": 5, "max_denoising_steps": 8}),
          ("nemotron_labs_diffusion", {"mode": "ar"}), ("nemotron_labs_diffusion", {}),
          ("nemotron_labs_diffusion", {"exact": True, "temperature": 1.0, "seed": 4})]
 
@@ -144,9 +147,7 @@ def test_rows_of_one_request_each_keep_their_grammar(models):
 @pytest.mark.parametrize("family,settings,says", [
     ("llada", {"draft": "self"}, "not kept with draft 'self'"),
     ("sdar", {"draft": "self"}, "not kept with draft 'self'"),
-    ("diffusion_gemma", {}, "not kept by UniformDiffusionDecoder"),
     ("nemotron_labs_diffusion", {"mode": "linear_spec"}, "not kept by SpeculativeDecoder"),
-    ("llada2_moe", {"editing_threshold": 0.5}, "not kept with token editing"),
     ("llama", {"ignore_eos": True}, "ignore_eos: a structured output"),
 ])
 def test_what_cannot_keep_a_grammar_is_refused_by_name(models, family, settings, says):

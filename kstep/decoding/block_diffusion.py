@@ -69,7 +69,7 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
         self.phase = torch.full((B,), DENOISE, dtype=torch.long, device=device)
         self.passes_in_block = torch.zeros(B, dtype=torch.long, device=device)
         self.editing = None if params.editing_threshold is None else \
-            TokenEditing(params.editing_threshold, params.max_post_steps, B, device)
+            TokenEditing(params.editing_threshold, params.max_post_steps, B, device, self.mask_id)
         steps = params.steps
         if rules.steps_capped and self.editing is None:  # LLaDA2.0's generate: min(steps, gen_length)
             steps = min(steps or bs, N)
@@ -220,18 +220,18 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
         starts = self.pads + self.block_starts
         index = starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
         block = self.canvas.gather(1, index)
-        positions = self.block_starts[:, None] + torch.arange(bs, device=starts.device)  # (B, bs)
+        in_completion = (self.block_starts - self.prompt_lengths)[:, None] + torch.arange(bs, device=starts.device)
         tokens, probs, confidence = self.block_scores(out, torch.arange(len(rows), device=rows.device))
+        if self.editing is not None:  # LLaDA2.1: filled tokens (not the prompt's) it may replace, edited first
+            editable = (block != self.mask_id) & (in_completion >= 0)
+            block = self.editing.edit_block(block, tokens, probs, editable, rows, self.grammar, in_completion)
         count = scheduled(self.schedule, self.passes_in_block)
         if already is not None:
             count = (count - already).clamp(min=0)
         chosen = choose_in_block(block, confidence, rows, count, p, self.mask_id)
         if self.grammar is not None:  # in order from each row's frontier (kstep/structured/constraint.py)
-            tokens, chosen = self.grammar.step(block, tokens, chosen, positions - self.prompt_lengths[:, None],
+            tokens, chosen = self.grammar.step(block, tokens, chosen, in_completion,
                                                count if p.policy.kind != "threshold" else None, rows)
-        if self.editing is not None:  # LLaDA2.1: filled tokens (not the prompt's) it may replace
-            editable = (block != self.mask_id) & (positions >= self.prompt_lengths[:, None])
-            chosen |= self.editing.edits(block, tokens, probs, block == self.mask_id, editable, rows)
         self.canvas.scatter_(1, index, torch.where(chosen, tokens, block))
         self.passes_in_block += rows
 

@@ -93,8 +93,6 @@ def grammar_refusal(family: Family, params: GenerationParams) -> str | None:
         return f"with draft 'self' ({row.name}) yet"
     if not row.decoder.keeps_grammar:
         return f"by {row.name} ({family.name}{f', mode {params.mode}' if params.mode else ''}) yet"
-    if params.editing_threshold is not None:
-        return "with token editing (editing_threshold) yet"
     return None
 
 

@@ -18,8 +18,8 @@ import torch
 
 
 class TokenEditing:
-    def __init__(self, threshold: float, max_post_steps: int, rows: int, device: torch.device):
-        self.threshold, self.max_post_steps = threshold, max_post_steps
+    def __init__(self, threshold: float, max_post_steps: int, rows: int, device: torch.device, mask_id: int):
+        self.threshold, self.max_post_steps, self.mask_id = threshold, max_post_steps, mask_id
         self.post_passes = torch.zeros(rows, dtype=torch.long, device=device)  # mask-free passes counted, per block
         self.started_full = torch.zeros(rows, dtype=torch.bool, device=device)  # the last pass began mask-free
         self.edited = torch.zeros(rows, dtype=torch.bool, device=device)        # ... and changed some token
@@ -35,6 +35,16 @@ class TokenEditing:
         self.edited = edit.any(-1)
         self.num_edits += int(edit.sum())
         return edit
+
+    def edit_block(self, block: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor, editable: torch.Tensor,
+                   rows: torch.Tensor, grammar=None, index: torch.Tensor | None = None) -> torch.Tensor:
+        """The block (B, bs) with this pass's edits (`edits`) made; under a structured output's grammar
+        (kstep/structured/constraint.py's `edit`) only the edits it allows, and what no longer parses
+        after one masked again."""
+        edit = self.edits(block, tokens, probs, block == self.mask_id, editable, rows)
+        if grammar is not None:
+            return grammar.edit(block, tokens, edit, index)
+        return torch.where(edit, tokens, block)
 
     def block_ends(self, complete: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Given the rows whose block has no mask left after this pass (`complete` (B,)): (rows whose

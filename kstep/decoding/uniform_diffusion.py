@@ -37,12 +37,14 @@ from kstep.runner.pass_output import PassOutput
 
 
 class UniformDiffusionDecoder(Decoder):
+    keeps_grammar = True
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
                  resources: DecoderResources = DecoderResources()):
         self.runner, self.params, self.generator = runner, params, batch.generator
         self.stop_ids = batch.stop_ids[:0] if params.ignore_eos else batch.stop_ids
         self.all_stop_ids, self.first_allowed, self.include_canvas = batch.stop_ids, batch.first_allowed, \
             batch.include_canvas
+        self.grammar = batch.constraint
         prompts, key_mask = batch.prompts, batch.key_mask
         B, W = prompts.shape
         L, self.vocab_size = runner.cfg.canvas_length, runner.cfg.vocab_size
@@ -128,6 +130,8 @@ class UniformDiffusionDecoder(Decoder):
         argmax = processed.argmax(-1)  # (B, L)
         entropies = entropy(processed)  # (B, L)
         canvas = torch.where(accept(entropies, p.entropy_bound), sampled, self._random_tokens())
+        if self.grammar is not None:
+            argmax, canvas = self._keep_grammar(processed, probs, accept(entropies, p.entropy_bound))
         done = self.done[:, None]  # rows that stopped keep their canvas
         argmax, canvas = torch.where(done, self.argmax, argmax), torch.where(done, self.canvas, canvas)
         stable, self.history = is_stable(self.history, argmax)
@@ -138,9 +142,38 @@ class UniformDiffusionDecoder(Decoder):
         else:
             self.soft = self.runner.soft_embedding(processed)
 
+    def _keep_grammar(self, processed: torch.Tensor, probs: torch.Tensor,
+                      accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The argmax canvas and the next input canvas under a structured output's grammar, each walked
+        from the row's frontier (Constraint.walk): the argmax among the tokens allowed there; the kept
+        samples drawn among them, and the renoised positions' random tokens too (nothing leaves the
+        grammar, not even noise). The random draws follow the walk, not transformers' order."""
+        live = (~(self.done | self.row_finished)).tolist()
+        index = list(range(self.canvas_idx * self.canvas_length, (self.canvas_idx + 1) * self.canvas_length))
+        allowed_here = lambda allowed: allowed.to(self.device)  # noqa: E731
+
+        def best(b: int, c: int, allowed: torch.Tensor) -> int:
+            return int(processed[b, c].masked_fill(~allowed_here(allowed), float("-inf")).argmax())
+
+        def drawn(b: int, c: int, allowed: torch.Tensor) -> int:
+            weights = probs[b, c] * allowed_here(allowed) if bool(accepted[b, c]) else allowed_here(allowed).float()
+            if not bool(weights.sum() > 0):  # the filters left no allowed token any mass
+                weights = allowed_here(allowed).float()
+            return int(torch.multinomial(weights, 1, generator=self.generator))
+
+        def canvas(walked: list, fallback: torch.Tensor) -> torch.Tensor:
+            return torch.stack([torch.tensor(t, device=self.device) if t is not None else fallback[b]
+                                for b, t in enumerate(walked)])
+        return (canvas(self.grammar.walk(index, best, live), self.argmax),
+                canvas(self.grammar.walk(index, drawn, live), self.canvas))
+
     def _commit(self) -> None:
         """The argmax canvas is final; a stop token in it, or the last canvas, ends a row."""
         L, c = self.canvas_length, self.canvas_idx
+        if self.grammar is not None:  # its walked tokens, into each row's matcher
+            self.grammar.take([None if finished else row for row, finished in
+                               zip(self.argmax.tolist(), self.row_finished.tolist(), strict=True)],
+                              list(range(c * L, (c + 1) * L)))
         self.completions[:, c * L:(c + 1) * L] = self.argmax
         self.steps_per_canvas.append(self.params.max_denoising_steps - self.steps_left)
         stopped = torch.isin(self.argmax, self.stop_ids).any(-1) if len(self.stop_ids) else torch.zeros_like(self.done)

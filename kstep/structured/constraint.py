@@ -22,6 +22,8 @@ So every token that leaves the canvas was checked in order against the matcher, 
 holds less than a known completion (its end-of-sequence token included): a constrained row ends
 with "stop" and valid output whenever the search found a completion that fits at the start, and
 the request is refused at admission otherwise (llm.py)."""
+from collections.abc import Callable
+
 import torch
 
 from kstep.structured.grammar import Grammar
@@ -90,6 +92,59 @@ class Constraint:
                 decided[b][c], taken, c = True, taken + 1, c + 1
         return (torch.tensor(tokens, dtype=candidates.dtype, device=candidates.device),
                 torch.tensor(decided, device=candidates.device))
+
+    def edit(self, block: torch.Tensor, tokens: torch.Tensor, edits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """A token editor's replacements (`edits` (B, T): decided positions of `block` taking `tokens`)
+        under the grammar, one at a time from the left: an edit stands if the row's decided run still
+        parses and fits with it (taken back to the edit and taken again), else the old token stays.
+        So an edit never leaves a position undecided, and editing ends as it does without a grammar.
+        Returns the block as edited."""
+        out, new, idx, edit = block.tolist(), tokens.tolist(), index.tolist(), edits.tolist()
+        for b in range(len(self.rows)):
+            for c in [c for c, e in enumerate(edit[b]) if e and out[b][c] != self.mask_id]:
+                row, end = self.rows[b], self.rows[b].num_committed
+                if idx[b][c] >= end or new[b][c] == out[b][c]:
+                    continue
+                trial = row.copy()
+                trial.rollback(end - idx[b][c])
+                run = [new[b][c]] + [out[b][k] for k in range(c + 1, len(out[b])) if idx[b][k] < end]
+                if trial.admit_run(run, self.max_tokens - idx[b][c]):
+                    self.rows[b], out[b][c] = trial, new[b][c]
+        return torch.tensor(out, dtype=block.dtype, device=block.device)
+
+    def walk(self, index: list[int], choose: Callable[[int, int, torch.Tensor], int],
+             rows: list[bool]) -> list[list[int] | None]:
+        """A canvas decided whole in one pass (a random-start sampler's): for each row in `rows`, its
+        tokens at completion indices `index` (ascending from the frontier), each the grammar's forced
+        token or `choose(row, column, allowed)` among the tokens allowed there, as `step` would
+        admit them (a refused one becomes the known completion's token). The rows' matchers do not
+        move: `take` commits a walked canvas."""
+        walked: list[list[int] | None] = []
+        for b, row in enumerate(self.rows):
+            if not rows[b]:
+                walked.append(None)
+                continue
+            trial, tokens = row.copy(), []
+            for c, i in enumerate(index):
+                room = self.max_tokens - i
+                forced = trial.forced() if room > 0 or trial.is_closed else None
+                if forced is None or not trial.admit(forced, room):
+                    token = choose(b, c, trial.allowed())
+                    if not trial.admit(token, room):
+                        token = trial.fallback()
+                        if not trial.admit(token, room):
+                            raise RuntimeError("internal: a grammar's known completion did not fit its room")
+                    forced = token
+                tokens.append(forced)
+            walked.append(tokens)
+        return walked
+
+    def take(self, tokens: list[list[int] | None], index: list[int]) -> None:
+        """Commit walked canvases (`walk`'s tokens at the same indices; None: a row that takes none)."""
+        for row, row_tokens in zip(self.rows, tokens, strict=True):
+            for token, i in zip(row_tokens or [], index):
+                if not row.admit(token, self.max_tokens - i):
+                    raise RuntimeError("internal: a walked canvas was refused when committed")
 
     def stats(self) -> dict[str, float]:
         """The grammar's figures for a result's timings: compile time, masks and their time, closing

@@ -11,6 +11,7 @@ completion found is valid by construction but not always the shortest: its lengt
 so keeping it within the room left is safe (the row never commits a token after which the bound
 does not fit), only sometimes early to close. Its cost counts the end-of-sequence token too: a
 constrained row always ends with one (finish_reason "stop")."""
+import copy
 import time
 
 import numpy as np
@@ -83,8 +84,30 @@ class RowMatcher:
         self._forced: list[int] | None = None       # the current state's forced tokens, until the next commit
         self._token_bytes: dict[int, bytes] = {}
         self.counts = {"masks": 0, "mask_seconds": 0.0, "searches": 0, "search_seconds": 0.0}
+        self.history: list[tuple] = []  # per token the matchers took: (its bytes (None: the stop), the completion before)
         found = self._search(self.bytes)
         self.closing = None if found is None else (found, self._tokens_after(self.tokens, found))
+
+    def copy(self) -> "RowMatcher":
+        """A row in the same state that moves on alone (a sampler's trial walk); its counts are this one's."""
+        other = copy.copy(self)
+        other.tokens, other.bytes, other.history = self.tokens.deep_copy(), self.bytes.deep_copy(), list(self.history)
+        return other
+
+    def rollback(self, num_tokens: int) -> None:
+        """Take back the last `num_tokens` committed tokens (a token editor changed one of them)."""
+        self.num_committed -= num_tokens
+        # the matchers saw the tokens in `history`; stop tokens past the one that closed the row they never saw
+        num_tokens = max(0, len(self.history) - self.num_committed)
+        if num_tokens == 0:
+            return
+        taken, self.history = self.history[-num_tokens:], self.history[:-num_tokens]
+        texts = [text for text, _ in taken if text is not None]  # the closing stop token: the matchers never saw it
+        if not self.tokens.rollback(len(texts)):
+            raise RuntimeError(f"internal: the grammar could not take back {len(texts)} tokens")
+        self.bytes.rollback(sum(len(text) for text in texts))
+        self.closing, self.is_closed = taken[0][1], False
+        self._allowed = self._forced = None
 
     def cost(self) -> int | None:
         """Positions the known completion takes, its end-of-sequence token included (None: none known)."""
@@ -122,9 +145,10 @@ class RowMatcher:
         if self.is_closed or token in self.stop_ids:
             if not (self.is_closed or self.tokens.is_accepting()) or token not in self.stop_ids:
                 return False
-            if not self.is_closed and not self.tokens.consume_token(token):
-                raise RuntimeError(f"internal: the grammar refused end-of-sequence when accepting ({token})")
-            self.num_committed, self.is_closed, self._allowed = self.num_committed + 1, True, None
+            if not self.is_closed:  # the matchers need not see it: nothing follows (and it takes none back)
+                self.history.append((None, self.closing))
+                self.is_closed = True
+            self.num_committed, self._allowed = self.num_committed + 1, None
             return True
         if self.tokens.validate_tokens([token]) != 1:
             return False
@@ -141,8 +165,39 @@ class RowMatcher:
         rest_tokens = self._tokens_after(tokens, rest)
         if 1 + len(rest_tokens) > room:
             return False
+        self.history.append((text, self.closing))
         self.tokens, self.bytes, self.closing = tokens, after, (rest, rest_tokens)
         self.num_committed += 1
+        self._allowed = self._forced = None
+        return True
+
+    def admit_run(self, run: list[int], room: int) -> bool:
+        """Take the tokens `run` as the row's next ones if the grammar allows them all and a known
+        completion after the last fits in `room` (positions left from the first): one search, at
+        the end (a state inside the run has the run's rest then that completion). Else change nothing."""
+        cut = next((i for i, t in enumerate(run) if t in self.stop_ids), len(run))
+        text_run, stops = run[:cut], run[cut:]
+        if self.is_closed or any(t not in self.stop_ids for t in stops):
+            return self.is_closed and not text_run and not [t for t in stops if t not in self.stop_ids]
+        texts = [self._bytes_of(t) for t in text_run]
+        tokens, after = self.tokens.deep_copy(), self.bytes.deep_copy()
+        if tokens.validate_tokens(text_run) != len(text_run) or not after.consume_tokens(list(b"".join(texts))):
+            return False
+        tokens.consume_tokens(text_run)
+        if stops and not tokens.is_accepting():
+            return False
+        rest = b"" if stops else self._search(after)
+        if rest is None:
+            return False
+        rest_tokens = [self.stop_token] if stops else self._tokens_after(tokens, rest)
+        if len(text_run) + len(rest_tokens) > room:
+            return False
+        for i, text in enumerate(texts):  # each state's known completion: the run's rest, then the end's
+            self.history.append((text, (b"".join(texts[i:]) + rest, text_run[i:] + rest_tokens)))
+        if stops:
+            self.history.append((None, (b"", [self.stop_token])))
+        self.tokens, self.bytes, self.closing = tokens, after, (rest, rest_tokens)
+        self.num_committed, self.is_closed = self.num_committed + len(run), bool(stops)
         self._allowed = self._forced = None
         return True
 
