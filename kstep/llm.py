@@ -169,11 +169,11 @@ class LLM:
             return ids, "", []  # a structured output's grammar starts at the completion, not mid-token
         return self.tokenizer.heal(ids)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered with the checkpoint's chat template."""
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation (and the tools it may call) rendered with the checkpoint's chat template."""
         if self.tokenizer is None:
             raise ValueError(f"checkpoint {self.path} has no tokenizer: chat needs one")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return self.encode_prompt(self.tokenizer.encode(text, add_special_tokens=False))
 
     def check_fits(self, rows: list[list[int]], params: GenerationParams, suffixes: list[list[int]] | None = None) -> None:

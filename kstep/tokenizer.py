@@ -95,14 +95,16 @@ class Tokenizer:
             self._texts = [self._tok.decode([i], skip_special_tokens=False) for i in range(self.vocab_size)]
         return self._texts
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages with the checkpoint's chat template (HF semantics: trim/lstrip blocks)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render messages (and the tools they may call) with the checkpoint's chat template (HF
+        semantics: trim/lstrip blocks; `tools` as transformers passes them)."""
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template (tokenizer_config.json: chat_template)")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             **{k: v or "" for k, v in self.special.items()})
 
 

@@ -56,8 +56,6 @@ def test_chat_and_nested_unknown_fields_are_named(llada_server):
     (False, "logit_bias", {"5": 10}),
     (False, "best_of", 3),
     (False, "logprobs", 2),
-    (True, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    (True, "tool_choice", "required"),
     (True, "top_logprobs", 2),
     (True, "reasoning_effort", "low"),
     (True, "modalities", ["text", "audio"]),

@@ -37,6 +37,7 @@ CASES = [("llama", {}), ("llama", {"temperature": 1.0, "seed": 3}), ("qwen2", {}
          ("llada2_moe", {"editing_threshold": 0.01, "temperature": 1.0, "seed": 6}),
          ("diffusion_gemma", {}), ("diffusion_gemma", {"temperature": 1.0, "seed": 5, "max_denoising_steps": 8}),
          ("nemotron_labs_diffusion", {"mode": "ar"}), ("nemotron_labs_diffusion", {}),
+         ("nemotron_labs_diffusion", {"mode": "linear_spec"}),
          ("nemotron_labs_diffusion", {"exact": True, "temperature": 1.0, "seed": 4})]
 
 
@@ -113,6 +114,22 @@ def test_forced_text_costs_no_pass(models):
             assert r.nfe == len(r.token_ids) + 1 - forced
 
 
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_speculative_decoding_verifies_drafts_against_the_grammar(tmp_path, draft):
+    """Greedy, the drafted output is the plain constrained output (the masked target's argmax); sampled,
+    it is valid; the drafts that the grammar refuses are never kept."""
+    target = write_random_checkpoint(tmp_path / "t", family="llama", seed=5)
+    drafter = "ngram" if draft == "ngram" else write_random_checkpoint(tmp_path / "d", family="llama", seed=9)
+    plain, speculative = kstep.load(target), kstep.load(target, draft=drafter)
+    for spec in SPECS:
+        want = plain.generate("def f(x):", max_tokens=96, structured=spec)[0]
+        got = speculative.generate("def f(x):", max_tokens=96, structured=spec, num_draft_tokens=3)[0]
+        assert got.token_ids == want.token_ids and got.finish_reason == "stop", spec.kind
+        [sampled] = speculative.generate("x", max_tokens=96, structured=spec, num_draft_tokens=3, temperature=1.0,
+                                         seed=2)
+        assert sampled.finish_reason == "stop" and valid(spec, sampled.text), (spec.kind, sampled.text)
+
+
 def test_batched_equals_alone_with_constrained_and_free_requests_mixed(models):
     """One engine step packs constrained and unconstrained requests of a model: each gets what it
     gets alone (greedy), for an AR, a masked and a block family."""
@@ -147,7 +164,6 @@ def test_rows_of_one_request_each_keep_their_grammar(models):
 @pytest.mark.parametrize("family,settings,says", [
     ("llada", {"draft": "self"}, "not kept with draft 'self'"),
     ("sdar", {"draft": "self"}, "not kept with draft 'self'"),
-    ("nemotron_labs_diffusion", {"mode": "linear_spec"}, "not kept by SpeculativeDecoder"),
     ("llama", {"ignore_eos": True}, "ignore_eos: a structured output"),
 ])
 def test_what_cannot_keep_a_grammar_is_refused_by_name(models, family, settings, says):

@@ -99,3 +99,86 @@ def test_what_kstep_cannot_honour_is_a_400_naming_the_field(server, extra, param
     ok = client(server).chat.completions.create(model="masked", messages=MESSAGES, max_tokens=80, temperature=0,
                                                 response_format=RESPONSE_FORMAT)
     jsonschema.validate(json.loads(ok.choices[0].message.content), SCHEMA)  # and the server goes on
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": SCHEMA}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+             "required": ["a", "b"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "now"}}]  # no parameters: an empty list
+PARAMETERS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object", "maxProperties": 0})
+              for t in TOOLS}
+
+
+def calls_and_text(server, model, stream=False, **fields):
+    """(tool calls as (name, arguments text), content, finish_reason) of a chat reply, streamed or not."""
+    kwargs = dict(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=96, temperature=0, **fields)
+    if not stream:
+        choice = client(server).chat.completions.create(**kwargs).choices[0]
+        calls = [(c.function.name, c.function.arguments, c.id) for c in choice.message.tool_calls or []]
+        return calls, choice.message.content, choice.finish_reason
+    calls, text, reason = [], "", None
+    for chunk in client(server).chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            calls += [(c.function.name, c.function.arguments, c.id) for c in choice.delta.tool_calls or []]
+            reason = choice.finish_reason or reason
+    return calls, text or None, reason
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_tool_calls_validate_and_stream_as_they_answer(server, model):
+    named = {"type": "function", "function": {"name": "add"}}
+    for choice, allowed in (("required", set(PARAMETERS)), (named, {"add"})):
+        calls, text, reason = calls_and_text(server, model, tool_choice=choice)
+        assert calls and text is None and reason == "tool_calls", (choice, calls, text)
+        for name, arguments, call_id in calls:
+            assert name in allowed and call_id.startswith("call_")
+            jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+        streamed, streamed_text, streamed_reason = calls_and_text(server, model, stream=True, tool_choice=choice)
+        assert [c[:2] for c in streamed] == [c[:2] for c in calls] and streamed_reason == "tool_calls"
+        if choice == named:
+            assert len(calls) == 1
+    one, _, _ = calls_and_text(server, model, tool_choice="required", parallel_tool_calls=False)
+    assert len(one) == 1
+    for choice in ("auto", "none"):  # text (these models answer in code), or calls that validate
+        calls, text, reason = calls_and_text(server, model, tool_choice=choice)
+        streamed = calls_and_text(server, model, stream=True, tool_choice=choice)
+        assert [c[:2] for c in streamed[0]] == [c[:2] for c in calls] and streamed[1:] == (text, reason)
+        assert (text is None) == bool(calls) and (choice == "auto" or not calls)
+
+
+def test_a_tool_result_goes_back_into_the_prompt(server):
+    """An assistant's call and the tool's answer, in the conversation: rendered by kstep's default
+    (these templates render no tools) and answered."""
+    from kstep.server.tools import prompt_messages
+    history = [{"role": "user", "content": "Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    rendered, tools = prompt_messages([{k: v for k, v in m.items()} for m in history], TOOLS, "{{ messages }}")
+    assert tools is None and "get_weather" in rendered[0]["content"] and rendered[0]["role"] == "system"
+    assert rendered[2]["content"] == '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    assert rendered[3]["content"] == "<tool_response>3</tool_response>"
+    own, tools = prompt_messages(history, TOOLS, "{% for t in tools %}{{ t }}{% endfor %}")  # a template with tools
+    assert tools == TOOLS and own[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
+    reply = client(server).chat.completions.create(model="ar", messages=history, tools=TOOLS, max_tokens=16,
+                                                   temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "tool_calls")
+
+
+@pytest.mark.parametrize("fields,param,says", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "no tool named 'nope'"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "with tools"),
+    ({"functions": [{"name": "f"}]}, "functions", "functions is not supported by kstep"),
+])
+def test_bad_tool_fields_are_400s_naming_them(server, fields, param, says):
+    r = httpx.post(server + "/v1/chat/completions", json={"model": "ar", "messages": MESSAGES, "max_tokens": 32,
+                                                           **fields}, timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and says in error["message"], error

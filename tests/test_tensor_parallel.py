@@ -7,7 +7,6 @@ hangs."""
 import asyncio
 import os
 import signal
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor

@@ -68,7 +68,10 @@ def accept_matching(target_tokens: torch.Tensor, drafts: torch.Tensor) -> tuple[
 
 class SpeculativeDecoder(Decoder):
     """Decodes left-padded prompts (B, P) with the target on `runner` and drafts from `draft`: a draft
-    model's runner, "ngram" (lookup, no model) or "self" (the target's bidirectional mode: LinearSpec)."""
+    model's runner, "ngram" (lookup, no model) or "self" (the target's bidirectional mode: LinearSpec).
+    A structured output's grammar masks the target's distributions after each draft prefix, so the
+    drafts are verified against it too (and the output's distribution is the masked target's)."""
+    keeps_grammar = True
 
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
                  resources: DecoderResources = DecoderResources()):
@@ -78,7 +81,7 @@ class SpeculativeDecoder(Decoder):
         prompts, key_mask, stop_ids = batch.prompts, batch.key_mask, batch.stop_ids
         pad_id, generator = batch.pad_id, batch.generator
         self.runner, self.params, self.generator = runner, params, generator
-        self.first_allowed = batch.first_allowed
+        self.first_allowed, self.grammar = batch.first_allowed, batch.constraint
         self.top = top_request(params, None, self.first_allowed, is_scored=False)  # the target's greedy passes
         self.prompts, self.key_mask, self.pad_id = prompts, key_mask, pad_id
         self.stop_ids = set(stop_ids.tolist()) if not params.ignore_eos else set()
@@ -155,6 +158,8 @@ class SpeculativeDecoder(Decoder):
             generated = torch.tensor([[len(o)] for o in self.out], device=out.device)  # (B, 1)
             index = generated + torch.arange(out.shape[1], device=out.device)  # (B, T)
             out = constrain(out, index, self.stop_tensor, p.min_tokens, self.first_allowed)
+        if self.grammar is not None:  # the target's distributions after each draft prefix, as the grammar allows
+            out = out.with_logits(self.grammar.mask_drafts(out.logits, self.drafts))
         if self.drafts is None:
             new = [[t] for t in pick_tokens(out[:, -1], p.temperature, self.generator, p.top_k, p.top_p).tolist()]
         else:
@@ -176,7 +181,7 @@ class SpeculativeDecoder(Decoder):
             if self.row_finished[b]:
                 continue
             self.row_nfe[b] += 1
-            for token in tokens:
+            for token in tokens if self.grammar is None else self.grammar.take_run(b, tokens):
                 self.out[b].append(token)
                 committed[b].append(token)
                 if token in self.stop_ids or len(self.out[b]) == p.max_tokens:

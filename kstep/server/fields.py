@@ -20,8 +20,6 @@ NOT_SUPPORTED: dict[str, Callable[[object], bool]] = {
     "top_logprobs": _empty,
     "logit_bias": _empty,
     "best_of": lambda v: v is None or v == 1,
-    "tools": _empty,
-    "tool_choice": lambda v: v is None or v == "none",
     "functions": _empty,
     "function_call": lambda v: v is None or v == "none",
     "audio": lambda v: v is None,
@@ -34,7 +32,7 @@ NOT_SUPPORTED: dict[str, Callable[[object], bool]] = {
 
 # OpenAI fields with no effect on the tokens: bookkeeping, billing, caching and latency hints.
 IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_options",
-           "prompt_cache_retention", "safety_identifier", "prediction", "parallel_tool_calls")
+           "prompt_cache_retention", "safety_identifier", "prediction")
 
 
 def first_unsupported(values: dict[str, object]) -> str | None:

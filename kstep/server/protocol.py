@@ -14,6 +14,8 @@ from pydantic_core import PydanticCustomError
 from kstep.params import GenerationParams, user_knobs
 from kstep.server.fields import IGNORED, first_unsupported, unknown_field_message
 from kstep.server.structured_fields import structured_spec
+from kstep.server.tools import tool_spec
+from kstep.structured import StructuredSpec
 
 
 def _unicode(text: str) -> str:
@@ -157,8 +159,12 @@ class SamplingFields(KnownFields, KstepFields):
         fields.update({name: getattr(self, name) for name in KSTEP_FIELDS if getattr(self, name) is not None})
         if self.exact is None and any(getattr(self, n) is not None for n in ("cache", "threshold", "factor")):
             fields.pop("exact", None)  # a request choosing a cache or policy overrides a server-wide --exact
-        fields["structured"] = structured_spec(self.response_format, self.structured_outputs)
+        fields["structured"] = self.structured()
         return GenerationParams(**fields)
+
+    def structured(self) -> StructuredSpec | None:
+        """The structured output the body asks for (structured_fields.py), or None."""
+        return structured_spec(self.response_format, self.structured_outputs)
 
 
 class CompletionRequest(SamplingFields):
@@ -170,11 +176,65 @@ class CompletionRequest(SamplingFields):
     best_of: Any = None
 
 
-class ChatMessage(BaseModel):
+class ToolFunction(KnownFields):
+    where: ClassVar[str] = "tools[].function"
+
+    name: Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None  # kstep enforces the parameters either way
+
+
+class Tool(KnownFields):
+    where: ClassVar[str] = "tools[]"
+
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedFunction(KnownFields):
+    where: ClassVar[str] = "tool_choice.function"
+
+    name: Text
+
+
+class NamedToolChoice(KnownFields):
+    where: ClassVar[str] = "tool_choice"
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(BaseModel):
+    name: Text
+    arguments: Text
+
+
+class ToolCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # a client may echo a reply's fields (refusal, annotations)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[dict] | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
+    tool_call_id: Text | None = None           # a tool result's call
+    name: Text | None = None
+
+    def prompt_dict(self) -> dict:
+        """The message as a chat template reads it."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -191,10 +251,11 @@ class ChatCompletionRequest(SamplingFields):
     where: ClassVar[str] = "/v1/chat/completions"
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     # OpenAI's chat fields kstep does not honour (fields.py: refused unless their no-op, or ignored)
     top_logprobs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -211,4 +272,24 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_retention: Any = None
     safety_identifier: Any = None
     prediction: Any = None
-    parallel_tool_calls: Any = None
+
+    def tool_dicts(self) -> list[dict] | None:
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_choice_name(self) -> str:
+        """"none", "auto", "required" or the named function (OpenAI's default: "auto" with tools)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def structured(self) -> StructuredSpec | None:
+        """The tools' grammar (server/tools.py) around the answer's own structured output."""
+        text = super().structured()
+        choice = self.tool_choice_name()
+        if choice != "none" and not self.tools:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        if not self.tools:
+            return text
+        if self.structured_outputs is not None and choice != "none":
+            raise ValueError("structured_outputs: with tools, an answer's format is response_format's")
+        return tool_spec(self.tool_dicts(), choice, self.parallel_tool_calls is not False, text)

@@ -21,6 +21,7 @@ from kstep.server.errors import APIError, param_named_in
 from kstep.server.metrics import ModelMetrics
 from kstep.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kstep.server.streaming import Stream
+from kstep.server.tools import prompt_messages
 
 log = logging.getLogger("kstep.server")
 
@@ -114,7 +115,7 @@ class Routes:
             params = llm.resolve(body.generation_params(defaults, default_max_tokens))
             stop = body.stop_strings()
         except ValueError as e:
-            raise APIError(400, str(e), param_named_in(str(e), set(SamplingFields.model_fields))) from None
+            raise APIError(400, str(e), param_named_in(str(e), set(type(body).model_fields))) from None
         healed = [llm.heal(ids, params, text) for ids, text in zip(prompts, is_text, strict=True)]
         prompts = [ids for ids, _, _ in healed]
         longest = max(len(p) for p in prompts)
@@ -190,8 +191,9 @@ class Routes:
         route = self.route(body, request)
         await self._ready_for_budget(route, body)
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt = route.llm.chat_prompt(messages)
+            template = (route.llm.tokenizer.chat_template if route.llm.tokenizer else None) or ""
+            messages, tools = prompt_messages([m.prompt_dict() for m in body.messages], body.tool_dicts(), template)
+            prompt = route.llm.chat_prompt(messages, tools)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:  # a template error is the request's fault (its messages), not the server's
@@ -199,10 +201,11 @@ class Routes:
         # A chat prompt ends with the template's own text: taken as given (as `kstep generate --chat`).
         engine_request = self._prepare(route, body, [prompt], [False], self.default_max_tokens)
         return await self._respond(route, request, engine_request, body, chat=True,
-                                   prefixes=[""] * engine_request.num_rows)
+                                   prefixes=[""] * engine_request.num_rows,
+                                   calls_tools=bool(body.tools) and body.tool_choice_name() != "none")
 
     async def _respond(self, route: ModelRoute, request: Request, engine_request: EngineRequest, body: SamplingFields,
-                       chat: bool, prefixes: list[str]):
+                       chat: bool, prefixes: list[str], calls_tools: bool = False):
         try:
             queue = route.engine.submit(engine_request)
         except QueueFull as e:
@@ -212,7 +215,7 @@ class Routes:
         except ModelDown:  # went down while this request was being prepared
             raise self._down(route) from None
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        stream = Stream(response_id, route.name, chat, engine_request, prefixes)
+        stream = Stream(response_id, route.name, chat, engine_request, prefixes, calls_tools)
         stream.watch(request, queue, route.engine)
         if body.stream:
             return StreamingResponse(stream.events(queue, route.engine, route.metrics), media_type="text/event-stream")

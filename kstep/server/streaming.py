@@ -17,6 +17,7 @@ from kstep.engine.async_engine import AsyncEngine
 from kstep.engine.request import Request as EngineRequest
 from kstep.engine.request import ChoiceDelta, RequestOutput
 from kstep.server.errors import APIError
+from kstep.server.tools import may_be_call, parse_tool_calls
 from kstep.server.metrics import ModelMetrics
 
 CLIENT_GONE = object()  # queued when the client disconnects: the response stops reading the engine
@@ -34,8 +35,11 @@ async def watch_disconnect(http_request: Request, on_gone: Callable[[], None]) -
 class Stream:
     """One response: turns a request's engine outputs into OpenAI JSON or SSE chunks."""
 
-    def __init__(self, response_id: str, model: str, chat: bool, engine_request: EngineRequest, prefixes: list[str]):
+    def __init__(self, response_id: str, model: str, chat: bool, engine_request: EngineRequest, prefixes: list[str],
+                 calls_tools: bool = False):
         self.id, self.model, self.chat, self.request = response_id, model, chat, engine_request
+        self.calls_tools = calls_tools  # a chat reply may be tool calls (server/tools.py): parsed, not sent as text
+        self.sent = [""] * engine_request.num_rows  # a stream's content sent so far, per choice
         self.created = int(time.time())
         self.prefixes = prefixes
         self.texts = [""] * engine_request.num_rows
@@ -104,13 +108,30 @@ class Stream:
             self.watcher.cancel()
         self._observe_finish(metrics, out)
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                        "finish_reason": reason} for i, (text, reason) in enumerate(zip(self.texts, self.finish_reasons))]
+            choices = []
+            for i, (text, reason) in enumerate(zip(self.texts, self.finish_reasons)):
+                calls = parse_tool_calls(text) if self.calls_tools else None
+                message = {"role": "assistant", "content": text} if not calls else \
+                    {"role": "assistant", "content": None, "tool_calls": calls}
+                choices.append({"index": i, "message": message, "logprobs": None,
+                                "finish_reason": "tool_calls" if calls and reason == "stop" else reason})
         else:
             choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
                        for i, (text, reason) in enumerate(zip(self.texts, self.finish_reasons))]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self._usage(out)}
+
+    def _chat_delta(self, index: int, reason: str | None) -> dict:
+        """A chat chunk's choice: the content committed since the last one; with tools, held back
+        while it may open a call, and once finished, the calls it made (`delta.tool_calls`, whole)."""
+        text, delta = self.texts[index], {}
+        calls = parse_tool_calls(text) if self.calls_tools and reason is not None else None
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            reason = "tool_calls" if reason == "stop" else reason
+        elif not (self.calls_tools and reason is None and may_be_call(text)) and len(text) > len(self.sent[index]):
+            delta["content"], self.sent[index] = text[len(self.sent[index]):], text
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -140,8 +161,7 @@ class Stream:
                 choices = []
                 for index, text, reason, delta in self._absorb(out):
                     if self.chat:
-                        choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
-                                  "finish_reason": reason}
+                        choice = self._chat_delta(index, reason)
                     else:
                         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
                     if self.request.include_canvas:  # kstep's refinement view (any family)

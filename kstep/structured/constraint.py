@@ -93,6 +93,39 @@ class Constraint:
         return (torch.tensor(tokens, dtype=candidates.dtype, device=candidates.device),
                 torch.tensor(decided, device=candidates.device))
 
+    def mask_drafts(self, logits: torch.Tensor, drafts: torch.Tensor | None) -> torch.Tensor:
+        """A speculative verification pass's logits (B, g + 1, V) from each row's frontier on, each
+        position limited to what the grammar allows after the drafts (B, g) before it: a draft the
+        grammar refuses (or after which no completion fits) gets no mass, so the acceptance rule
+        stops there and the token that follows comes from the allowed ones."""
+        masked = logits.clone()
+        for b, row in enumerate(self.rows):
+            trial = row.copy()
+            for i in range(logits.shape[1]):
+                masked[b, i].masked_fill_(~trial.allowed().to(logits.device)[:logits.shape[-1]], float("-inf"))
+                if drafts is None or i == drafts.shape[1]:
+                    break
+                draft = int(drafts[b, i])
+                if not trial.admit(draft, self.max_tokens - trial.num_committed):
+                    masked[b, i, draft] = float("-inf")
+                    break
+        return masked
+
+    def take_run(self, b: int, run: list[int]) -> list[int]:
+        """Row `b`'s next tokens, each admitted in order; the first refused (it no longer fits)
+        becomes the known completion's token and ends the run."""
+        row, kept = self.rows[b], []
+        for token in run:
+            room = self.max_tokens - row.num_committed
+            if not row.admit(token, room):
+                token = row.fallback()
+                if not row.admit(token, room):
+                    raise RuntimeError("internal: a grammar's known completion did not fit its room")
+                kept.append(token)
+                break
+            kept.append(token)
+        return kept
+
     def edit(self, block: torch.Tensor, tokens: torch.Tensor, edits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """A token editor's replacements (`edits` (B, T): decided positions of `block` taking `tokens`)
         under the grammar, one at a time from the left: an edit stands if the row's decided run still
