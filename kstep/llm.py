@@ -115,16 +115,18 @@ class LLM:
         has_draft = self.draft is not None or params.mode == SELF_SPECULATION  # LinearSpec: drafts for itself
         resolved = params.resolve(self.cfg.family, kind, has_draft, self.cfg.canvas_length,
                                   self.family.whole_canvas_reference)
-        if resolved.structured is not None:
-            self.check_structured(resolved)
+        self.check_output_rules(resolved)
         return resolved
 
-    def check_structured(self, params: GenerationParams) -> None:
-        """A structured request this model can serve: its decoder keeps a grammar, the spec compiles and
-        a completion fits max_tokens (else a ValueError naming the field)."""
-        if (refusal := grammar_refusal(self.family, params)) is not None:
+    def check_output_rules(self, params: GenerationParams) -> None:
+        """What the params ask of the output, for this model (a ValueError naming the field): logit_bias's ids
+        in its vocabulary; a structured output its decoder keeps, that compiles and whose completion fits."""
+        if params.logit_bias and (bad := [i for i, _ in params.logit_bias if i >= self.cfg.vocab_size]):
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if params.structured is not None and (refusal := grammar_refusal(self.family, params)) is not None:
             raise ValueError(f"{params.structured.field}: a structured output is not kept {refusal}")
-        self.grammar.check(params.structured, params.max_tokens)
+        if params.structured is not None:
+            self.grammar.check(params.structured, params.max_tokens)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of one prompt, checked against the vocabulary and the mask id."""
@@ -192,9 +194,6 @@ class LLM:
             raise RuntimeError("internal: params reach a decoder resolved (GenerationParams.resolve, at the edge)")
         if suffixes and any(suffixes):
             self.require_infilling()
-            if params.structured is not None:
-                raise ValueError(f"suffix: infilling with a structured output ({params.structured.field}) is not "
-                                 "supported: its grammar constrains a completion from its start to its end")
         self.check_fits(rows, params, suffixes)
         first_allowed = None
         if first_tokens and any(first_tokens):

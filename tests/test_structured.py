@@ -211,3 +211,20 @@ def test_the_cli_flags_ask_for_each_kind(tmp_path, capsys):
 def test_params_refuse_a_spec_that_is_not_one():
     with pytest.raises(ValueError, match="structured must be a StructuredSpec"):
         replace(GenerationParams(), structured={"type": "object"})
+
+
+@pytest.mark.parametrize("family", ["llama", "llada", "sdar", "diffusion_gemma"])
+def test_logit_bias_moves_the_tokens_it_names(models, family):
+    """OpenAI's logit_bias: -100 on the two tokens a greedy run starts with keeps them out of it, +100
+    on a token makes every position take it."""
+    llm = models(family)
+    [plain] = llm.generate("def f(x):", max_tokens=16, ignore_eos=True)
+    banned = tuple((t, -100.0) for t in dict.fromkeys(plain.token_ids[:2]))
+    [biased] = llm.generate("def f(x):", max_tokens=16, ignore_eos=True, logit_bias=banned)
+    assert not {t for t, _ in banned} & set(biased.token_ids), (plain.token_ids, biased.token_ids)
+    [forced] = llm.generate("def f(x):", max_tokens=8, ignore_eos=True, logit_bias=((42, 100.0),))
+    assert forced.token_ids == [42] * 8
+    with pytest.raises(ValueError, match="logit_bias: token id 999999 is outside the vocabulary"):
+        llm.generate("x", max_tokens=4, logit_bias=((999999, 1.0),))
+    with pytest.raises(ValueError, match=r"logit_bias\[3\] must be >= -100 and <= 100"):
+        GenerationParams(logit_bias=((3, 101.0),))

@@ -182,3 +182,20 @@ def test_bad_tool_fields_are_400s_naming_them(server, fields, param, says):
                                                            **fields}, timeout=60)
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param and says in error["message"], error
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_logit_bias_is_honoured(server, model):
+    c = client(server)
+    plain = c.completions.create(model=model, prompt="def f(x):", max_tokens=8, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    forced = c.completions.create(model=model, prompt="def f(x):", max_tokens=4, temperature=0,
+                                  logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    again = c.completions.create(model=model, prompt="def f(x):", max_tokens=4, temperature=0,
+                                 logit_bias={"43": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text != again.choices[0].text and forced.choices[0].text != plain.choices[0].text[:4]
+    for bias, says in (({"99999999": 1}, "outside the vocabulary"), ({"a": 1}, "keys are token ids"),
+                       ({"5": 200}, "must be >= -100 and <= 100")):
+        r = httpx.post(server + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 4,
+                                                         "logit_bias": bias})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias" and says in r.text, r.text

@@ -13,7 +13,7 @@ short prefill (SGLang's jump-forward decoding).
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
-from kstep.decoding.sampling import constrain, pick_tokens
+from kstep.decoding.sampling import OutputRules, constrain, pick_tokens
 from kstep.decoding.unmask import top_request
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
@@ -31,6 +31,7 @@ class AutoregressiveDecoder(Decoder):
         stop_ids, pad_id, generator = batch.stop_ids, batch.pad_id, batch.generator
         self.runner, self.params, self.prompts = runner, params, prompts
         self.first_allowed, self.grammar = batch.first_allowed, batch.constraint
+        self.output_rules = OutputRules.of(batch, params)
         self.top = top_request(params, None, self.first_allowed, is_scored=False)  # greedy: the argmax
         # Prefix caching needs every row to hold the same unpadded prompt (one prompt, n samples).
         same_rows = key_mask is None and bool((prompts == prompts[:1]).all())
@@ -76,8 +77,7 @@ class AutoregressiveDecoder(Decoder):
         [out] = outputs
         if self.num_generated == 0 and self.prefix_cache is not None:
             self.prefix_cache.store(self.prompts[0].tolist(), self.kv)
-        out = constrain(out[:, -1:], self.num_generated, self.stop_ids, p.min_tokens, self.first_allowed,
-                        self.grammar)
+        out = constrain(out[:, -1:], self.num_generated, self.output_rules)
         token = pick_tokens(out[:, -1], p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
         if self.grammar is not None:
             token = self._keep(token)

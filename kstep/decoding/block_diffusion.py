@@ -30,7 +30,7 @@ import torch
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, final_rows, prefix_step_output
 from kstep.decoding.block_unmask import block_scores, choose_in_block, open_columns, scheduled
 from kstep.decoding.exact_step import BlockExactStep
-from kstep.decoding.sampling import constrain
+from kstep.decoding.sampling import OutputRules, constrain
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.token_editing import TokenEditing
 from kstep.decoding.unmask import confidence_rule, top_request
@@ -52,6 +52,7 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
         self.runner, self.params, self.rules, self.lengths = runner, params, rules, [0] * batch.num_rows
         self.mask_id, self.stop_ids, self.generator = batch.mask_id, batch.stop_ids, batch.generator
         self.include_canvas, self.first_allowed, self.grammar = batch.include_canvas, batch.first_allowed, batch.constraint
+        self.output_rules = OutputRules.of(batch, params)
         prompts, key_mask = batch.prompts, batch.key_mask
         B, W = prompts.shape
         bs, N, device, self.prompt_width = params.block_length, params.max_tokens, prompts.device, W
@@ -190,8 +191,7 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
     def _write_first_token(self, last: PassOutput, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Argmax of the last outputs `last` (B,) at `positions` (B,) for `rows`, if within max_tokens."""
         index = positions - self.prompt_lengths
-        proposal = constrain(last.view(-1, 1), index[:, None], self.stop_ids, self.params.min_tokens,
-                             self.first_allowed, self.grammar)[:, 0]
+        proposal = constrain(last.view(-1, 1), index[:, None], self.output_rules)[:, 0]
         token = proposal.excluding(self.mask_id).argmax()
         in_range = rows & (index < self.params.max_tokens)
         slot = (self.pads + positions).clamp(max=self.canvas.shape[1] - 1)
@@ -238,9 +238,7 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
     def block_scores(self, out: PassOutput, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = self.params
         positions = self.block_starts[rows, None] + torch.arange(p.block_length, device=rows.device)  # (R, bs)
-        allowed = None if self.first_allowed is None else self.first_allowed[rows]
-        out = constrain(out, positions - self.prompt_lengths[rows, None], self.stop_ids, p.min_tokens, allowed,
-                        self.grammar)
+        out = constrain(out, positions - self.prompt_lengths[rows, None], self.output_rules.of_rows(rows))
         return block_scores(out, p, self.mask_id, self.rule, self.generator)
 
     def block_step(self, blocks: torch.Tensor, tokens: torch.Tensor, confidence: torch.Tensor, passes: torch.Tensor,

@@ -25,7 +25,7 @@ as an AR model's.
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, final_rows, prefix_step_output
-from kstep.decoding.sampling import constrain, pick_tokens
+from kstep.decoding.sampling import OutputRules, constrain, pick_tokens
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.unmask import choose_top, confidence_rule, sampled_probability
 from kstep.outputs import StepOutput
@@ -43,6 +43,7 @@ class CausalContextDecoder(Decoder):
         self.runner, self.params = runner, params
         self.mask_id, self.stop_ids, self.generator = batch.mask_id, batch.stop_ids, batch.generator
         self.include_canvas, self.first_allowed, self.grammar = batch.include_canvas, batch.first_allowed, batch.constraint
+        self.output_rules = OutputRules.of(batch, params)
         prompts, key_mask = batch.prompts, batch.key_mask
         B, W = prompts.shape
         bs, N, device = params.block_length, params.max_tokens, prompts.device
@@ -124,8 +125,7 @@ class CausalContextDecoder(Decoder):
         output `last` (B,), as an AR step (the reference writes it whatever it is)."""
         p, bs = self.params, self.params.block_length
         index = self.block_idx * bs  # (B,) its place in the completion
-        last = constrain(last.view(-1, 1), index[:, None], self.stop_ids, p.min_tokens, self.first_allowed,
-                         self.grammar)[:, 0]
+        last = constrain(last.view(-1, 1), index[:, None], self.output_rules)[:, 0]
         token = pick_tokens(last, p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
         slot = (self.prompt_width + index)[:, None]
         if self.grammar is not None:  # the block's first position is the row's frontier (kstep/structured)
@@ -145,7 +145,7 @@ class CausalContextDecoder(Decoder):
         index = (self.block_idx * bs)[:, None] + torch.arange(bs, device=out.device)  # (B, bs) in the completion
         slots = self.prompt_width + index
         block = self.canvas.gather(1, slots)
-        out = constrain(out, index, self.stop_ids, p.min_tokens, self.first_allowed, self.grammar)
+        out = constrain(out, index, self.output_rules)
         tokens = pick_tokens(out.excluding(self.mask_id), p.temperature, self.generator, p.top_k, p.top_p)
         confidence = sampled_probability(out, tokens, p) if p.remasking == "low_confidence" else \
             self.rule(out, tokens, self.generator).float()  # (B, bs)

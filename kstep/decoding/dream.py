@@ -142,8 +142,7 @@ class DreamDecoder(DiffusionDecoder):
         gave no outputs, from its outputs (B, t) predicting the block's `columns`."""
         p = self.params
         start, _ = self.block
-        out = constrain(out, (start - self.prompt_len + columns)[None], self.stop_ids, p.min_tokens,
-                        self._first_allowed(rows), self.grammar)
+        out = constrain(out, (start - self.prompt_len + columns)[None], self.output_rules.of_rows(rows))
         tokens, scores = dream_scores(out, p, self.mask_id, self.generator)  # (B, t) each
         shape = (tokens.shape[0], p.block_length)
         candidates = tokens.new_zeros(shape).index_copy_(1, columns, tokens)

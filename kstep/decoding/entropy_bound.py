@@ -5,7 +5,7 @@ stopping rule. The decoder (uniform_diffusion.py) strings them together in trans
 """
 import torch
 
-from kstep.decoding.sampling import constrain_outputs, filter_logits
+from kstep.decoding.sampling import OutputRules, constrain_outputs, filter_logits
 
 
 def temperature(t_min: float, t_max: float, steps_left: int, max_steps: int, device: torch.device) -> torch.Tensor:
@@ -42,13 +42,12 @@ def is_stable(history: torch.Tensor, argmax: torch.Tensor) -> tuple[torch.Tensor
 
 
 def process_logits(logits: torch.Tensor, temperature_value: torch.Tensor, scale: float, top_k: int | None,
-                   top_p: float | None, output_index: torch.Tensor, stop_ids: torch.Tensor, min_tokens: int,
-                   first_allowed: torch.Tensor | None) -> torch.Tensor:
+                   top_p: float | None, output_index: torch.Tensor, rules: OutputRules) -> torch.Tensor:
     """(B, L, V) float32 logits -> the processed logits every rule reads, in transformers' order:
     kstep's output rules (min_tokens, token healing's first token), then the request's filters
     (`scale` 0: the top-1 filter, transformers' deterministic run; else top-k / top-p, as logits
     processors passed to its generate), then the schedule's temperature (times `scale` unless it is 1)."""
-    logits = constrain_outputs(logits, output_index, stop_ids, min_tokens, first_allowed)
+    logits = constrain_outputs(logits, output_index, rules)
     if scale == 0:
         top_k, top_p = 1, None
     if top_k is not None or top_p is not None:

@@ -34,7 +34,7 @@ import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, prefix_step_output
 from kstep.decoding.exact_step import CanvasExactStep
-from kstep.decoding.sampling import constrain, pick_tokens
+from kstep.decoding.sampling import OutputRules, constrain, pick_tokens
 from kstep.decoding.unmask import confidence_rule, make_policy, top_request
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
@@ -67,6 +67,7 @@ class DiffusionDecoder(Decoder, CanvasExactStep):
         self.params = p = params
         self.runner, self.mask_id, self.stop_ids, self.generator = runner, batch.mask_id, batch.stop_ids, batch.generator
         self.include_canvas, self.first_allowed, self.grammar = batch.include_canvas, batch.first_allowed, batch.constraint
+        self.output_rules = OutputRules.of(batch, params)
         prompts, key_mask, mask_id = batch.prompts, batch.key_mask, batch.mask_id
         B, P = prompts.shape
         N, device = p.max_tokens, prompts.device
@@ -155,8 +156,8 @@ class DiffusionDecoder(Decoder, CanvasExactStep):
         start, _ = self.block
         # The mask token is never a candidate (a masked position must become a token); confidence is
         # still scored on the unmodified logits, as the references do.
-        proposal = constrain(out.excluding(self.mask_id), (start - self.prompt_len + columns)[None], self.stop_ids,
-                             p.min_tokens, self._first_allowed(rows), self.grammar)
+        proposal = constrain(out.excluding(self.mask_id), (start - self.prompt_len + columns)[None],
+                             self.output_rules.of_rows(rows))
         picked = pick_tokens(proposal, p.temperature, self.generator, p.top_k, p.top_p)  # (B, t)
         picked_confidence = self.rule(out, picked, self.generator, drawn_over)  # (B, t)
         # Back to the whole block: positions without logits are unmasked already in every row.
@@ -165,10 +166,6 @@ class DiffusionDecoder(Decoder, CanvasExactStep):
         confidence = torch.full(shape, float("-inf"), device=picked.device).index_copy_(1, columns,
                                                                                         picked_confidence.float())
         return candidates, confidence
-
-    def _first_allowed(self, rows: torch.Tensor | None) -> torch.Tensor | None:
-        """Token healing's first tokens of the logits' rows (`rows`: the batch rows they are of)."""
-        return self.first_allowed if rows is None or self.first_allowed is None else self.first_allowed[rows]
 
     def step(self, canvas: torch.Tensor, candidates: torch.Tensor, confidence: torch.Tensor,
              step_idx: int | torch.Tensor) -> torch.Tensor:

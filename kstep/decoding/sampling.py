@@ -1,11 +1,13 @@
 """Token sampling shared by every decoder: top-k / top-p filtering, then argmax or Gumbel-max; and the
-rules on what completion positions may hold (min_tokens, token healing). The functions on a pass's
-outputs (`pick_tokens`, `constrain`) take a `PassOutput` (runner/pass_output.py); the others plain logits.
+rules on what completion positions may hold (`OutputRules`: min_tokens, token healing, logit_bias, a
+grammar). The functions on a pass's outputs (`pick_tokens`, `constrain`) take a `PassOutput`
+(runner/pass_output.py); the others plain logits.
 
 Gumbel-max follows LLaDA's `add_gumbel_noise`: argmax of exp(logits) / (-log u)^T in float64,
 because low-precision Gumbel noise hurts MDM generation quality (arXiv:2409.02908). It samples
 from softmax(logits / T). Logits are shifted by their row max first (same argmax, no overflow).
 """
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,18 +83,48 @@ def suppress_stop_tokens(logits: torch.Tensor, stop_ids: torch.Tensor, output_in
     return logits
 
 
-def constrain_outputs(logits: torch.Tensor, output_index: torch.Tensor | int, stop_ids: torch.Tensor,
-                      min_tokens: int, first_allowed: torch.Tensor | None,
-                      grammar: "Constraint | None" = None) -> torch.Tensor:
-    """The rules on what completion positions may hold, for logits (B, T, V) of completion tokens
-    number `output_index` (an int, or broadcastable to (B, T)): vLLM's min_tokens (no stop token
-    before it), token healing's constraint on the first token (`first_allowed` (B, V) bool: the
-    tokens that start with the text the prompt gave back), and a structured output's grammar at each
-    row's commit frontier (kstep/structured/constraint.py)."""
-    if grammar is not None:
-        logits = grammar.mask(logits, output_index)
-    if min_tokens:
-        logits = suppress_stop_tokens(logits, stop_ids, output_index, min_tokens)
+@dataclass(slots=True, frozen=True)
+class OutputRules:
+    """The rules on what completion positions may hold, which every decoder applies to the logits it
+    samples from (`constrain`): vLLM's min_tokens (no stop token before it), token healing's first
+    token (`first_allowed` (B, V) bool: the tokens that start with the text the prompt gave back),
+    OpenAI's logit_bias (added to the logits), and a structured output's grammar at each row's commit
+    frontier (kstep/structured/constraint.py)."""
+    stop_ids: torch.Tensor
+    min_tokens: int = 0
+    first_allowed: torch.Tensor | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+    grammar: "Constraint | None" = None
+
+    @classmethod
+    def of(cls, batch, params: "GenerationParams") -> "OutputRules":
+        """A decoder batch's rules under its params."""
+        return cls(batch.stop_ids, params.min_tokens, batch.first_allowed, params.logit_bias, batch.constraint)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.min_tokens and self.first_allowed is None and not self.logit_bias and self.grammar is None
+
+    def of_rows(self, rows: torch.Tensor | None) -> "OutputRules":
+        """The rules of logits whose rows are batch rows `rows` (None: all of them, in order); a
+        grammar keeps its rows' frontiers, so only whole batches take one."""
+        if rows is None or self.first_allowed is None:
+            return self
+        return replace(self, first_allowed=self.first_allowed[rows])
+
+
+def constrain_outputs(logits: torch.Tensor, output_index: torch.Tensor | int, rules: OutputRules) -> torch.Tensor:
+    """`rules` on logits (B, T, V) of completion tokens number `output_index` (an int, or
+    broadcastable to (B, T))."""
+    if rules.grammar is not None:
+        logits = rules.grammar.mask(logits, output_index)
+    if rules.logit_bias:
+        ids, bias = zip(*rules.logit_bias)
+        logits = logits.clone()
+        logits[..., list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+    if rules.min_tokens:
+        logits = suppress_stop_tokens(logits, rules.stop_ids, output_index, rules.min_tokens)
+    first_allowed = rules.first_allowed
     if first_allowed is None:
         return logits
     if isinstance(output_index, int):
@@ -103,10 +135,9 @@ def constrain_outputs(logits: torch.Tensor, output_index: torch.Tensor | int, st
     return logits.masked_fill(is_first[..., None] & ~first_allowed[:, None, :], float("-inf"))
 
 
-def constrain(out: PassOutput, output_index: torch.Tensor | int, stop_ids: torch.Tensor, min_tokens: int,
-              first_allowed: torch.Tensor | None, grammar: "Constraint | None" = None) -> PassOutput:
+def constrain(out: PassOutput, output_index: torch.Tensor | int, rules: OutputRules) -> PassOutput:
     """`constrain_outputs` on a pass's outputs (B, T): unchanged when no rule applies (a top-token
     pass is only asked for when none does)."""
-    if not min_tokens and first_allowed is None and grammar is None:
+    if rules.is_empty:
         return out
-    return out.with_logits(constrain_outputs(out.logits, output_index, stop_ids, min_tokens, first_allowed, grammar))
+    return out.with_logits(constrain_outputs(out.logits, output_index, rules))

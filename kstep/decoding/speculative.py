@@ -20,11 +20,13 @@ target as its own drafter (drafters.SelfDrafter): at temperature 0 its output is
 output; above, it keeps the reference's rule (drafts kept while they equal the target's own samples,
 then that sample), which samples the target's distribution too, token by token.
 """
+from dataclasses import replace
+
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
 from kstep.decoding.drafters import NGRAM, SELF, ModelDrafter, NgramDrafter, SelfDrafter
-from kstep.decoding.sampling import constrain, pick_tokens, sampling_probs
+from kstep.decoding.sampling import OutputRules, constrain, pick_tokens, sampling_probs
 from kstep.decoding.unmask import top_request
 from kstep.outputs import StepOutput
 from kstep.params import SELF_SPECULATION, GenerationParams
@@ -82,6 +84,7 @@ class SpeculativeDecoder(Decoder):
         pad_id, generator = batch.pad_id, batch.generator
         self.runner, self.params, self.generator = runner, params, generator
         self.first_allowed, self.grammar = batch.first_allowed, batch.constraint
+        self.output_rules = replace(OutputRules.of(batch, params), grammar=None)
         self.top = top_request(params, None, self.first_allowed, is_scored=False)  # the target's greedy passes
         self.prompts, self.key_mask, self.pad_id = prompts, key_mask, pad_id
         self.stop_ids = set(stop_ids.tolist()) if not params.ignore_eos else set()
@@ -154,10 +157,10 @@ class SpeculativeDecoder(Decoder):
         out = outputs[-1]
         p = self.params
         self.nfe += 1
-        if p.min_tokens or self.first_allowed is not None:
+        if not self.output_rules.is_empty:  # (the grammar's masks follow the drafts: below)
             generated = torch.tensor([[len(o)] for o in self.out], device=out.device)  # (B, 1)
             index = generated + torch.arange(out.shape[1], device=out.device)  # (B, T)
-            out = constrain(out, index, self.stop_tensor, p.min_tokens, self.first_allowed)
+            out = constrain(out, index, self.output_rules)
         if self.grammar is not None:  # the target's distributions after each draft prefix, as the grammar allows
             out = out.with_logits(self.grammar.mask_drafts(out.logits, self.drafts))
         if self.drafts is None:

@@ -25,9 +25,12 @@ reproduces `torch.manual_seed(seed); model.generate(...)`. kstep's temperature s
 (1: transformers'); 0 is transformers' deterministic run, a top-1 logits filter. kstep cuts the
 completion to max_tokens; transformers returns whole canvases.
 """
+from dataclasses import replace
+
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
+from kstep.decoding.sampling import OutputRules
 from kstep.decoding.entropy_bound import accept, entropy, is_stable, process_logits, temperature
 from kstep.models.diffusion_gemma_layers import DECODER, ENCODER
 from kstep.outputs import StepOutput
@@ -44,7 +47,8 @@ class UniformDiffusionDecoder(Decoder):
         self.stop_ids = batch.stop_ids[:0] if params.ignore_eos else batch.stop_ids
         self.all_stop_ids, self.first_allowed, self.include_canvas = batch.stop_ids, batch.first_allowed, \
             batch.include_canvas
-        self.grammar = batch.constraint
+        self.grammar = batch.constraint  # walked in order (_keep_grammar), not a mask of the whole canvas
+        self.output_rules = replace(OutputRules.of(batch, params), grammar=None)
         prompts, key_mask = batch.prompts, batch.key_mask
         B, W = prompts.shape
         L, self.vocab_size = runner.cfg.canvas_length, runner.cfg.vocab_size
@@ -124,7 +128,7 @@ class UniformDiffusionDecoder(Decoder):
         temp = temperature(p.t_min, p.t_max, self.steps_left, p.max_denoising_steps, self.device)
         output_index = self.canvas_idx * self.canvas_length + torch.arange(self.canvas_length, device=self.device)
         processed = process_logits(logits, temp, p.temperature, p.top_k, p.top_p, output_index[None],
-                                   self.all_stop_ids, p.min_tokens, self.first_allowed)  # (B, L, V)
+                                   self.output_rules)  # (B, L, V)
         probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
         sampled = torch.multinomial(probs.view(-1, V), 1, generator=self.generator).view(self.canvas_shape)
         argmax = processed.argmax(-1)  # (B, L)

@@ -85,9 +85,10 @@ def sampled_probability(out: PassOutput, tokens: torch.Tensor, params: Generatio
 def top_request(params: GenerationParams, exclude_id: int | None, first_allowed: torch.Tensor | None,
                 is_scored: bool = True) -> TopRequest | None:
     """What a pass asks instead of logits when the request is greedy and nothing constrains its
-    outputs (min_tokens, token healing and a structured output's grammar act on logits), so top tokens hold all its rule reads
+    outputs (min_tokens, token healing, logit_bias and a grammar act on logits), so top tokens hold all its rule reads
     (`is_scored`: the remasking rule's score too); else None."""
-    if params.temperature != 0 or params.min_tokens or first_allowed is not None or params.structured is not None:
+    if params.temperature != 0 or params.min_tokens or first_allowed is not None or params.structured is not None \
+            or params.logit_bias:
         return None
     if not is_scored:
         return TopRequest(exclude_id)

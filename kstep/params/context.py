@@ -1,6 +1,6 @@
 """Whether a request fits a model's context: its longest prompt, its completion and what its
 decoding needs past them (a speculative step's drafts, a block model's last block, a random-start
-model's whole canvases, an infilling suffix). Plain Python, no torch."""
+model's whole canvases, an infilling suffix, which takes no structured output). Plain Python, no torch."""
 from kstep.kinds import AUTOREGRESSIVE, BLOCK_DIFFUSION, UNIFORM_DIFFUSION
 
 
@@ -13,6 +13,9 @@ def check_context(rows: list[list[int]], params, suffixes: list[list[int]] | Non
     longest = max(len(ids) for ids in rows)
     extra, why = 0, ""
     if suffixes and any(suffixes):
+        if params.structured is not None:
+            raise ValueError(f"suffix: infilling with a structured output ({params.structured.field}) is not "
+                             "supported: its grammar constrains a completion from its start to its end")
         extra, why = max(len(s) for s in suffixes), " + suffix"
     if kind == AUTOREGRESSIVE and params.num_draft_tokens:
         extra, why = params.num_draft_tokens + 1, " + num_draft_tokens + 1"

@@ -106,6 +106,10 @@ class GenerationParams:
                                         (AUTOREGRESSIVE, *DENOISING))
     draft: str | None = knob(None, "self: lossless self-speculation, the exact sampler's tokens in fewer passes "
                                    "(num_draft_tokens steps drafted per pass)", DENOISING, (SELF_DRAFT,), flag=False)
+    logit_bias: tuple[tuple[int, float], ...] | None = knob(None, "(token id, bias) pairs added to the logits every "
+                                                                  "sample is drawn from (OpenAI's logit_bias: -100 "
+                                                                  "to 100)", server_default=False, http=False,
+                                                            flag=False)
     structured: StructuredSpec | None = knob(None, "the output must match this JSON schema, regex, choice or grammar "
                                                    "(kstep/structured; over HTTP response_format / structured_outputs)",
                                              server_default=False, http=False, flag=False)
@@ -156,6 +160,14 @@ class GenerationParams:
                              "scores negative entropy: use low_confidence, margin or random")
         if self.threshold is not None and self.factor is not None:
             raise ValueError("threshold and factor are two unmask policies: give one, not both")
+        if self.logit_bias is not None:
+            pairs = self.logit_bias if isinstance(self.logit_bias, tuple) else ()
+            if len(pairs) != len(self.logit_bias) or not all(
+                    isinstance(p, tuple) and len(p) == 2 for p in pairs) or len({i for i, _ in pairs}) != len(pairs):
+                raise ValueError("logit_bias must be distinct (token id, bias) pairs")
+            for token_id, bias in pairs:
+                check_int("logit_bias token id", token_id, 0)
+                check_number(f"logit_bias[{token_id}]", bias, -100, 100)
         if self.structured is not None:
             if not isinstance(self.structured, StructuredSpec):
                 raise ValueError(f"structured must be a StructuredSpec, got {type(self.structured).__name__}")

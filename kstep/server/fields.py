@@ -18,7 +18,6 @@ NOT_SUPPORTED: dict[str, Callable[[object], bool]] = {
     "frequency_penalty": _empty,
     "logprobs": _empty,
     "top_logprobs": _empty,
-    "logit_bias": _empty,
     "best_of": lambda v: v is None or v == 1,
     "functions": _empty,
     "function_call": lambda v: v is None or v == "none",

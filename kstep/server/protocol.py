@@ -126,7 +126,7 @@ class SamplingFields(KnownFields, KstepFields):
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     logprobs: StrictBool | StrictInt | None = None
-    logit_bias: Any = None
+    logit_bias: dict[Text, Number] | None = None  # token id (as a string, OpenAI's JSON) -> bias
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -160,6 +160,10 @@ class SamplingFields(KnownFields, KstepFields):
         if self.exact is None and any(getattr(self, n) is not None for n in ("cache", "threshold", "factor")):
             fields.pop("exact", None)  # a request choosing a cache or policy overrides a server-wide --exact
         fields["structured"] = self.structured()
+        if self.logit_bias:
+            if not all(k.isdigit() for k in self.logit_bias):
+                raise ValueError(f"logit_bias: keys are token ids, got {next(k for k in self.logit_bias if not k.isdigit())!r}")
+            fields["logit_bias"] = tuple((int(k), float(v)) for k, v in self.logit_bias.items())
         return GenerationParams(**fields)
 
     def structured(self) -> StructuredSpec | None:
