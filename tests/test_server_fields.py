@@ -53,7 +53,6 @@ def test_chat_and_nested_unknown_fields_are_named(llada_server):
 
 
 @pytest.mark.parametrize("chat,field,value", [
-    (False, "logit_bias", {"5": 10}),
     (False, "best_of", 3),
     (False, "logprobs", 2),
     (True, "top_logprobs", 2),

@@ -199,3 +199,24 @@ def test_logit_bias_is_honoured(server, model):
         r = httpx.post(server + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 4,
                                                          "logit_bias": bias})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias" and says in r.text, r.text
+
+
+def test_metrics_count_grammars_masks_forced_tokens_and_outcomes(server):
+    from test_server import metric
+    before = {o: metric(server, "kstep_constrained_requests_total", f'model="block",outcome="{o}"')
+              for o in ("stop", "tool_calls", "refused")}
+    forced = metric(server, "kstep_grammar_forced_tokens_total", 'model="block"')
+    schema = {"type": "object", "properties": {"metric_test": {"type": "boolean"}}, "required": ["metric_test"]}
+    c = client(server)
+    c.chat.completions.create(model="block", messages=MESSAGES, max_tokens=32, temperature=0,
+                              response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": schema}})
+    c.chat.completions.create(model="block", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=96,
+                              temperature=0)
+    httpx.post(server + "/v1/completions", json={"model": "block", "prompt": "x", "max_tokens": 1,
+                                                 "response_format": {"type": "json_object"}})
+    after = {o: metric(server, "kstep_constrained_requests_total", f'model="block",outcome="{o}"')
+             for o in ("stop", "tool_calls", "refused")}
+    assert {o: after[o] - before[o] for o in after} == {"stop": 1, "tool_calls": 1, "refused": 1}
+    assert metric(server, "kstep_grammar_forced_tokens_total", 'model="block"') > forced
+    assert metric(server, "kstep_grammar_compile_seconds_count", 'model="block"') >= 1
+    assert metric(server, "kstep_grammar_mask_microseconds_count", 'model="block"') >= 2

@@ -96,6 +96,8 @@ class Engine:
         for r in batch:
             if r.decoder.is_finished:  # before the scheduler drops the decoder
                 r.stats = r.decoder.stats()
+                if r.decoder.constraint is not None:  # a structured output's figures (structured/constraint.py)
+                    r.stats.update(r.decoder.constraint.stats())
         self.scheduler.update(batch, step_outputs)
         self._end_at_limits(batch)
         self._observe_plans(batch)

@@ -26,7 +26,8 @@ from kstep.params.validation import MAX_PASSES_PER_POSITION
 from kstep.server.errors import APIError, BodySizeLimit, install_error_handlers
 from kstep.server.health import health_response
 from kstep.server.metrics import Metrics
-from kstep.server.protocol import ChatCompletionRequest, CompletionRequest
+from kstep.server.chat_protocol import ChatCompletionRequest
+from kstep.server.protocol import CompletionRequest
 from kstep.server.routes import ModelRoute, Routes
 
 

@@ -44,6 +44,16 @@ class Metrics:
                                     "(steps) drafted, and those kept", ["model", "outcome"], registry=r)
         self.request_seconds = Histogram("kstep_request_seconds", "Request latency, arrival to last byte", m,
                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.grammar_compile = Histogram("kstep_grammar_compile_seconds", "Structured outputs: compiling a grammar "
+                                         "(once per spec and model; cached after)", m,
+                                         buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1), registry=r)
+        self.grammar_mask = Histogram("kstep_grammar_mask_microseconds", "Structured outputs: per request, the mean "
+                                      "time of one grammar mask (one position's allowed tokens)", m,
+                                      buckets=(5, 10, 25, 50, 100, 250, 500, 1000, 5000), registry=r)
+        self.grammar_forced = Counter("kstep_grammar_forced_tokens", "Structured outputs: tokens the grammar forced, "
+                                      "placed without a forward pass", m, registry=r)
+        self.constrained = Counter("kstep_constrained_requests", "Structured outputs and tool calls: requests by "
+                                   "outcome (stop, tool_calls, length, refused)", ["model", "outcome"], registry=r)
 
     def for_model(self, model: str) -> "ModelMetrics":
         return ModelMetrics(self, model)
@@ -93,6 +103,20 @@ class ModelMetrics:
         if "drafted_tokens" in stats:
             self.metrics.draft_tokens.labels(self.model, "drafted").inc(stats["drafted_tokens"])
             self.metrics.draft_tokens.labels(self.model, "accepted").inc(stats["accepted_tokens"])
+
+    def observe_grammar(self, stats: dict, outcomes: list[str]) -> None:
+        """A finished structured request: its grammar's figures and each choice's outcome."""
+        m = self.metrics
+        if "grammar_compile_seconds" in stats:
+            m.grammar_compile.labels(self.model).observe(stats["grammar_compile_seconds"])
+        if stats.get("grammar_masks"):
+            m.grammar_mask.labels(self.model).observe(stats["grammar_mask_seconds"] / stats["grammar_masks"] * 1e6)
+        m.grammar_forced.labels(self.model).inc(stats.get("grammar_forced_tokens", 0))
+        for outcome in outcomes:
+            m.constrained.labels(self.model, outcome).inc()
+
+    def observe_refused_grammar(self) -> None:
+        self.metrics.constrained.labels(self.model, "refused").inc()
 
     def observe_ttft(self, seconds: float) -> None:
         self.metrics.ttft.labels(self.model).observe(seconds)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible request bodies (pydantic, at the HTTP edge only) and their translation
+"""The OpenAI-compatible request bodies (pydantic, at the HTTP edge only; the chat body in chat_protocol.py) and their translation
 into GenerationParams. Standard fields follow the OpenAI API reference (defaults included:
 temperature 1, top_p 1, completions max_tokens 16) and validate strictly, as OpenAI does: JSON
 types, no coercion (`"n": "2"` is a 400). kstep's own knobs are extra fields, generated from their
@@ -14,7 +14,6 @@ from pydantic_core import PydanticCustomError
 from kstep.params import GenerationParams, user_knobs
 from kstep.server.fields import IGNORED, first_unsupported, unknown_field_message
 from kstep.server.structured_fields import structured_spec
-from kstep.server.tools import tool_spec
 from kstep.structured import StructuredSpec
 
 
@@ -67,7 +66,10 @@ class KnownFields(BaseModel):
 
 def _elsewhere(cls: type) -> dict[str, set[str]]:
     """The other endpoints' fields, for a field sent to the wrong one."""
-    return {c.where: set(c.model_fields) for c in (CompletionRequest, ChatCompletionRequest) if not issubclass(cls, c)}
+    return {c.where: set(c.model_fields) for c in ENDPOINTS if not issubclass(cls, c)}
+
+
+ENDPOINTS: list[type] = []  # the endpoints' request bodies (this module's and chat_protocol.py's), as declared
 
 
 class StreamOptions(KnownFields):
@@ -166,6 +168,11 @@ class SamplingFields(KnownFields, KstepFields):
             fields["logit_bias"] = tuple((int(k), float(v)) for k, v in self.logit_bias.items())
         return GenerationParams(**fields)
 
+    def asks_structured(self) -> bool:
+        """Whether the body asks for a structured output or tool calls (its metrics count it)."""
+        wants_format = self.response_format is not None and self.response_format.type != "text"
+        return wants_format or self.structured_outputs is not None or bool(getattr(self, "tools", None))
+
     def structured(self) -> StructuredSpec | None:
         """The structured output the body asks for (structured_fields.py), or None."""
         return structured_spec(self.response_format, self.structured_outputs)
@@ -180,120 +187,4 @@ class CompletionRequest(SamplingFields):
     best_of: Any = None
 
 
-class ToolFunction(KnownFields):
-    where: ClassVar[str] = "tools[].function"
-
-    name: Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: Text | None = None
-    parameters: dict | None = None
-    strict: StrictBool | None = None  # kstep enforces the parameters either way
-
-
-class Tool(KnownFields):
-    where: ClassVar[str] = "tools[]"
-
-    type: Literal["function"]
-    function: ToolFunction
-
-
-class NamedFunction(KnownFields):
-    where: ClassVar[str] = "tool_choice.function"
-
-    name: Text
-
-
-class NamedToolChoice(KnownFields):
-    where: ClassVar[str] = "tool_choice"
-
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ToolCallFunction(BaseModel):
-    name: Text
-    arguments: Text
-
-
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    id: Text
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # a client may echo a reply's fields (refusal, annotations)
-
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[dict] | None = None
-    tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
-    tool_call_id: Text | None = None           # a tool result's call
-    name: Text | None = None
-
-    def prompt_dict(self) -> dict:
-        """The message as a chat template reads it."""
-        out = {"role": self.role, "content": self.text()}
-        if self.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("messages: only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class ChatCompletionRequest(SamplingFields):
-    where: ClassVar[str] = "/v1/chat/completions"
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None
-    # OpenAI's chat fields kstep does not honour (fields.py: refused unless their no-op, or ignored)
-    top_logprobs: Any = None
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    modalities: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    web_search_options: Any = None
-    moderation: Any = None
-    metadata: Any = None
-    store: Any = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None
-    prompt_cache_options: Any = None
-    prompt_cache_retention: Any = None
-    safety_identifier: Any = None
-    prediction: Any = None
-
-    def tool_dicts(self) -> list[dict] | None:
-        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
-
-    def tool_choice_name(self) -> str:
-        """"none", "auto", "required" or the named function (OpenAI's default: "auto" with tools)."""
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return self.tool_choice.function.name
-        return self.tool_choice or ("auto" if self.tools else "none")
-
-    def structured(self) -> StructuredSpec | None:
-        """The tools' grammar (server/tools.py) around the answer's own structured output."""
-        text = super().structured()
-        choice = self.tool_choice_name()
-        if choice != "none" and not self.tools:
-            raise ValueError(f"tool_choice {choice!r} needs tools")
-        if not self.tools:
-            return text
-        if self.structured_outputs is not None and choice != "none":
-            raise ValueError("structured_outputs: with tools, an answer's format is response_format's")
-        return tool_spec(self.tool_dicts(), choice, self.parallel_tool_calls is not False, text)
+ENDPOINTS.append(CompletionRequest)

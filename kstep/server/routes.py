@@ -19,7 +19,8 @@ from kstep.llm import LLM
 from kstep.params.family_defaults import defaults_for_mode
 from kstep.server.errors import APIError, param_named_in
 from kstep.server.metrics import ModelMetrics
-from kstep.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kstep.server.chat_protocol import ChatCompletionRequest
+from kstep.server.protocol import CompletionRequest, SamplingFields
 from kstep.server.streaming import Stream
 from kstep.server.tools import prompt_messages
 
@@ -115,6 +116,8 @@ class Routes:
             params = llm.resolve(body.generation_params(defaults, default_max_tokens))
             stop = body.stop_strings()
         except ValueError as e:
+            if body.asks_structured():
+                route.metrics.observe_refused_grammar()
             raise APIError(400, str(e), param_named_in(str(e), set(type(body).model_fields))) from None
         healed = [llm.heal(ids, params, text) for ids, text in zip(prompts, is_text, strict=True)]
         prompts = [ids for ids, _, _ in healed]

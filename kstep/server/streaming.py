@@ -80,6 +80,8 @@ class Stream:
         metrics.observe_request("200", out.prompt_tokens, out.completion_tokens, out.step,
                                 time.monotonic() - self.request.arrival_time)
         metrics.observe_drafts(out.stats)
+        if self.request.params.structured is not None:
+            metrics.observe_grammar(out.stats, [self._finish_reason(i) for i in range(len(self.texts))])
         if self.first_token_time is not None:
             metrics.observe_ttft(self.first_token_time - self.request.arrival_time)
 
@@ -120,6 +122,11 @@ class Stream:
                        for i, (text, reason) in enumerate(zip(self.texts, self.finish_reasons))]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self._usage(out)}
+
+    def _finish_reason(self, index: int) -> str | None:
+        """A finished choice's reason as the reply gives it ("tool_calls" when its text holds calls)."""
+        reason = self.finish_reasons[index]
+        return "tool_calls" if reason == "stop" and self.calls_tools and parse_tool_calls(self.texts[index]) else reason
 
     def _chat_delta(self, index: int, reason: str | None) -> dict:
         """A chat chunk's choice: the content committed since the last one; with tools, held back

@@ -180,11 +180,12 @@ class Constraint:
                     raise RuntimeError("internal: a walked canvas was refused when committed")
 
     def stats(self) -> dict[str, float]:
-        """The grammar's figures for a result's timings: compile time, masks and their time, closing
-        searches, tokens placed without the model choosing them."""
+        """The grammar's figures for a result's timings: its compile time (the request that compiled it),
+        masks and their time, closing searches, tokens placed without the model choosing them."""
         masks = sum(row.counts["masks"] for row in self.rows)
         seconds = sum(row.counts["mask_seconds"] for row in self.rows)
-        return {"grammar_compile_seconds": self.grammar.compile_seconds, "grammar_masks": masks,
+        compiled = self.grammar.take_compile_seconds()
+        return {**({} if compiled is None else {"grammar_compile_seconds": compiled}), "grammar_masks": masks,
                 "grammar_mask_seconds": seconds,
                 "grammar_searches": sum(row.counts["searches"] for row in self.rows),
                 "grammar_search_seconds": sum(row.counts["search_seconds"] for row in self.rows),

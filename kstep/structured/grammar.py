@@ -39,14 +39,23 @@ class _Bytes:
         return list(text if isinstance(text, bytes) else text.encode())
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Grammar:
-    """A compiled spec for one model: llguidance's grammar text, checked against both token tables."""
+    """A compiled spec for one model: llguidance's grammar text, checked against both token tables.
+    `compile_seconds` is reported once (`take_compile_seconds`: the first request that uses it)."""
     spec: StructuredSpec
     text: str
     tokens: llguidance.LLTokenizer
     bytes: llguidance.LLTokenizer
     compile_seconds: float
+    is_reported: bool = False
+
+    def take_compile_seconds(self) -> float | None:
+        """Its compile time the first time it is asked for (a request that compiled it), then None."""
+        if self.is_reported:
+            return None
+        self.is_reported = True
+        return self.compile_seconds
 
     def matcher(self, table: llguidance.LLTokenizer) -> llguidance.LLMatcher:
         return llguidance.LLMatcher(table, self.text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
