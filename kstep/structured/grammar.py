@@ -9,7 +9,10 @@ of under-constraining them; vLLM, SGLang and llama.cpp ship it too.
 Two token tables per model: the model's own (the masks a sampler applies) and one of the 256 bytes
 (matcher.py's search for the shortest completion walks bytes, whose masks are 257 bits wide).
 Compilation is bounded by llguidance's fuel limits (a pathological regex or schema is refused with
-its error, never a stuck slot), and a spec the engine refuses is a ValueError naming the request field."""
+its error, never a stuck slot), and a spec the engine refuses is a ValueError naming the request field.
+A JSON schema is first rewritten into an equal one where JSON Schema allows it (schema.py)."""
+import json
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,12 +20,16 @@ from pathlib import Path
 
 import llguidance
 
+from kstep.structured.schema import enforceable, without_format
 from kstep.structured.spec import StructuredSpec
 
 KIND_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 CACHE_SIZE = 256           # compiled grammars kept per model
 # llguidance's defaults, stated: lexer fuel bounds a compile (~50k units/ms: ~20 ms) and a mask (~14 ms)
-LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=500_000)
+PARSER_LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                                          max_grammar_size=500_000)
+MAX_REWRITES = 8  # unknown formats dropped from one schema, at most
+UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 BYTE_EOS = 256             # the byte table's end-of-sequence token
 # JSON as json.dumps writes it, no other whitespace: the layout is forced text (no pass spent on it,
 # none wasted on runs of blanks), the values are the model's; a schema's "x-guidance" may change it
@@ -58,7 +65,7 @@ class Grammar:
         return self.compile_seconds
 
     def matcher(self, table: llguidance.LLTokenizer) -> llguidance.LLMatcher:
-        return llguidance.LLMatcher(table, self.text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
+        return llguidance.LLMatcher(table, self.text, log_level=0, limits=PARSER_LIMITS)
 
 
 class GrammarCompiler:
@@ -78,17 +85,21 @@ class GrammarCompiler:
             self.cache.move_to_end(key)
             return self.cache[key]
         start = time.perf_counter()
-        try:
-            text = llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_LAYOUT) \
-                if spec.kind == "json" else llguidance.grammar_from(spec.kind, spec.value)
-        except ValueError as e:
-            raise ValueError(f"{spec.field}: {e}") from None
-        grammar = Grammar(spec, text, self.tokens, self.bytes, 0.0)
-        for table in (self.tokens, self.bytes):
-            matcher = grammar.matcher(table)
-            if matcher.is_error():
-                raise ValueError(f"{spec.field}: the {KIND_NAMES[spec.kind]} cannot be enforced: "
-                                 f"{_first_line(matcher.get_error())}")
+        schema = enforceable(json.loads(spec.value)) if spec.kind == "json" else None
+        for _ in range(MAX_REWRITES):
+            try:
+                text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT) \
+                    if schema is not None else llguidance.grammar_from(spec.kind, spec.value)
+            except ValueError as e:
+                raise ValueError(f"{spec.field}: {e}") from None
+            error = next((m.get_error() for m in (llguidance.LLMatcher(t, text, log_level=0, limits=PARSER_LIMITS)
+                                                  for t in (self.tokens, self.bytes)) if m.is_error()), None)
+            unknown = UNKNOWN_FORMAT.search(error or "")
+            if unknown is None or schema is None:
+                break
+            schema = without_format(schema, unknown.group(1))  # an annotation it cannot assert (schema.py)
+        if error is not None:
+            raise ValueError(f"{spec.field}: the {KIND_NAMES[spec.kind]} cannot be enforced: {_first_line(error)}")
         grammar = Grammar(spec, text, self.tokens, self.bytes, time.perf_counter() - start)
         self.cache[key] = grammar
         if len(self.cache) > CACHE_SIZE:

@@ -67,6 +67,12 @@ def closing_bytes(matcher) -> bytes | None:
     return bytes(out)
 
 
+def _completes(matcher, text: bytes) -> bool:
+    """Whether `text` is a completion from a byte-table matcher's state (the matcher is left as it was)."""
+    trial = matcher.deep_copy()
+    return trial.consume_tokens(list(text)) and trial.is_accepting()
+
+
 class RowMatcher:
     """One row's state under a grammar (module note). `num_committed`: the row's completion tokens
     it has taken, all valid, in order; `is_closed` once it took an end-of-sequence token. It always
@@ -156,8 +162,9 @@ class RowMatcher:
         after = self.bytes.deep_copy()
         if not after.consume_tokens(list(text)):
             return False
-        known, _ = self.closing
-        rest = known[len(text):] if known.startswith(text) else self._search(after)  # the known one goes on
+        known, _ = self.closing  # the known completion goes on (its rest, or all of it after a token inside
+        rest = known[len(text):] if known.startswith(text) else known if _completes(after, known) \
+            else self._search(after)  # a string or a number): a search only when it does not
         if rest is None:
             return False
         tokens = self.tokens.deep_copy()

@@ -1,0 +1,66 @@
+"""A JSON schema rewritten into an equal one the grammar engine can enforce, where JSON Schema
+itself says the two accept the same values (no approximation: what kstep cannot enforce exactly,
+it refuses):
+
+- a `oneOf` whose branches declare pairwise disjoint `type`s becomes `anyOf`: a value has one JSON
+  type, so at most one branch can hold ("integer" counts as a "number");
+- a `format` the engine does not know is dropped: JSON Schema makes `format` an annotation unless a
+  validator is told to assert it, and an unknown format cannot be asserted (grammar.py removes the
+  ones llguidance names, one at a time).
+Plain Python."""
+from typing import Any
+
+JSON_TYPES = ("null", "boolean", "object", "array", "number", "string")
+
+
+def _types(branch: Any, root: dict) -> set[str] | None:
+    """The JSON types a branch admits, when it declares them (a local $ref followed), else None."""
+    seen = 0
+    while isinstance(branch, dict) and "$ref" in branch and "type" not in branch and seen < 16:
+        ref = branch["$ref"]
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            return None
+        target: Any = root
+        for part in ref[2:].split("/"):
+            target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+        branch, seen = target, seen + 1
+    if not isinstance(branch, dict):
+        return None
+    declared = branch.get("type")
+    types = {declared} if isinstance(declared, str) else set(declared) if isinstance(declared, list) else None
+    if types is None or not types <= set(JSON_TYPES) | {"integer"}:
+        return None
+    return {"number" if t == "integer" else t for t in types}
+
+
+def _disjoint(branches: list, root: dict) -> bool:
+    seen: set[str] = set()
+    for branch in branches:
+        types = _types(branch, root)
+        if types is None or types & seen:
+            return False
+        seen |= types
+    return True
+
+
+def enforceable(schema: Any, root: dict | None = None) -> Any:
+    """`schema` with every type-disjoint oneOf as anyOf (module note); the rest as it is."""
+    root = schema if root is None and isinstance(schema, dict) else root
+    if isinstance(schema, list):
+        return [enforceable(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: enforceable(value, root) for key, value in schema.items()}
+    if isinstance(out.get("oneOf"), list) and "anyOf" not in out and _disjoint(out["oneOf"], root):
+        out["anyOf"] = out.pop("oneOf")
+    return out
+
+
+def without_format(schema: Any, name: str) -> Any:
+    """`schema` with every `"format": name` removed (an unknown format is an annotation)."""
+    if isinstance(schema, list):
+        return [without_format(item, name) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {key: without_format(value, name) for key, value in schema.items()
+            if not (key == "format" and value == name)}

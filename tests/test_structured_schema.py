@@ -1,0 +1,40 @@
+"""The JSON-schema rewrites that keep a schema's meaning (kstep/structured/schema.py): a oneOf of
+type-disjoint branches is an anyOf, an unknown format an annotation; anything else is refused."""
+import json
+
+import jsonschema
+import pytest
+
+import kstep
+from kstep.random_checkpoint import write_random_checkpoint
+from kstep.structured import StructuredSpec
+from kstep.structured.schema import enforceable, without_format
+
+
+def test_only_type_disjoint_one_ofs_become_any_ofs():
+    disjoint = {"oneOf": [{"type": ["string", "null"]}, {"$ref": "#/$defs/obj"}], "$defs": {"obj": {"type": "object"}}}
+    assert "anyOf" in enforceable(disjoint) and "oneOf" not in enforceable(disjoint)
+    for overlapping in ({"oneOf": [{"type": "integer"}, {"type": "number"}]},
+                        {"oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+                        {"oneOf": [{"type": "string"}, {"$ref": "https://example.com/s.json"}]}):
+        assert enforceable(overlapping) == overlapping
+    nested = {"properties": {"x": {"oneOf": [{"type": "string"}, {"type": "boolean"}]}}}
+    assert enforceable(nested) == {"properties": {"x": {"anyOf": [{"type": "string"}, {"type": "boolean"}]}}}
+    assert without_format({"type": "string", "format": "semver", "properties": {"format": {"type": "string"}}},
+                          "semver") == {"type": "string", "properties": {"format": {"type": "string"}}}
+
+
+def test_rewritten_schemas_compile_and_their_outputs_validate_against_the_original(tmp_path):
+    llm = kstep.load(write_random_checkpoint(tmp_path, family="llama", seed=5))
+    schema = {"type": "object", "properties": {
+        "id": {"oneOf": [{"type": "string", "format": "non-blank"}, {"type": "integer"}]},
+        "tags": {"type": "array", "items": {"type": "string", "format": "semver"}, "maxItems": 2}},
+        "required": ["id", "tags"], "additionalProperties": False}
+    for temperature in (0, 1.0):
+        [r] = llm.generate("x", max_tokens=96, structured=StructuredSpec.json_schema(schema), temperature=temperature,
+                           seed=3)
+        assert r.finish_reason == "stop"
+        jsonschema.validate(json.loads(r.text), schema)  # the original, oneOf included
+    overlapping = {"oneOf": [{"type": "integer"}, {"type": "number"}]}
+    with pytest.raises(ValueError, match="oneOf constraints are not supported"):
+        llm.generate("x", max_tokens=16, structured=StructuredSpec.json_schema(overlapping))
