@@ -12,8 +12,9 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from kstep.outputs import GenerationResult  # noqa: E402
 from kstep.params import GenerationParams  # noqa: E402
+from kstep.structured.spec import StructuredSpec  # noqa: E402
 
-__all__ = ["LLM", "GenerationParams", "GenerationResult", "load"]
+__all__ = ["LLM", "GenerationParams", "GenerationResult", "StructuredSpec", "load"]
 __version__ = "0.1.0"
 
 

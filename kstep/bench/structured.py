@@ -15,6 +15,7 @@ wants), the bundled ones what small trained models do."""
 import json
 import statistics
 import tempfile
+from decimal import Decimal
 import time
 from pathlib import Path
 
@@ -50,8 +51,11 @@ def prompt_for(schema: dict) -> str:
 
 
 def is_valid(text: str, schema: dict) -> bool:
+    """`jsonschema`'s verdict, with every JSON number read as a decimal, as JSON Schema reads them
+    (with floats, -1.11 is "not a multiple of 0.01": 110.99999999999999 hundredths)."""
     try:
-        jsonschema.validate(json.loads(text), schema)
+        exact = json.loads(json.dumps(schema), parse_float=Decimal)
+        jsonschema.validate(json.loads(text, parse_float=Decimal), exact)
     except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
         return False
     return True
@@ -72,7 +76,8 @@ def run_one(llm: kstep.LLM, schema: dict, max_tokens: int, settings: dict) -> di
     [free] = llm.generate(prompt, max_tokens=max_tokens, **settings)
     free_seconds = time.perf_counter() - start
     t = out.timings
-    return {"accepted": True, "valid": is_valid(out.text, schema), "complete": out.finish_reason == "stop",
+    return {"accepted": True, "text": out.text, "valid": is_valid(out.text, schema),
+            "complete": out.finish_reason == "stop",
             "tokens": len(out.token_ids) + (out.finish_reason == "stop"), "passes": t["batch_passes"],
             "seconds": seconds, "free_tokens": len(free.token_ids), "free_passes": free.timings["batch_passes"],
             "free_seconds": free_seconds, "forced": t.get("grammar_forced_tokens", 0),
