@@ -54,9 +54,19 @@ def is_valid(text: str, schema: dict) -> bool:
     """`jsonschema`'s verdict, with every JSON number read as a decimal, as JSON Schema reads them
     (with floats, -1.11 is "not a multiple of 0.01": 110.99999999999999 hundredths)."""
     try:
-        exact = json.loads(json.dumps(schema), parse_float=Decimal)
-        jsonschema.validate(json.loads(text, parse_float=Decimal), exact)
-    except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
+        value = json.loads(text)
+    except ValueError:
+        return False
+    try:
+        jsonschema.validate(json.loads(text, parse_float=Decimal), json.loads(json.dumps(schema), parse_float=Decimal))
+        return True
+    except ArithmeticError:  # a number past what decimals hold (1e999999999): floats decide
+        pass
+    except (jsonschema.ValidationError, jsonschema.SchemaError):
+        return False
+    try:
+        jsonschema.validate(value, schema)
+    except (jsonschema.ValidationError, jsonschema.SchemaError):
         return False
     return True
 
