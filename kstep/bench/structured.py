@@ -3,7 +3,8 @@ JSONSchemaBench, bench/data/jsonschemabench_sample.json; scripts/sample_jsonsche
 was drawn), per model and setting, one request at a time, each beside the same request unconstrained:
 
 - accepted: the grammar engine compiles the schema (else refused: which feature), and a completion
-  of it fits max_tokens (else refused at admission: its shortest completion found is longer);
+  of it fits max_tokens (else refused at admission: its shortest completion found is longer, or
+  kstep's completion search found none);
 - valid: the output parses and `jsonschema` validates it against the schema; complete: "stop";
 - passes and wall time against the unconstrained request at the same settings, tokens per pass of
   both (the forced text costs no pass: the grammar's forced tokens are counted);
@@ -77,7 +78,8 @@ def run_one(llm: kstep.LLM, schema: dict, max_tokens: int, settings: dict) -> di
     try:
         llm.resolve(kstep.GenerationParams(max_tokens=max_tokens, structured=spec, **settings))
     except ValueError as e:
-        why = "room" if "too small" in str(e) else "engine"
+        why = "room" if "completion found takes" in str(e) else "search" if "no completion was found" in str(e) \
+            else "engine"
         return {"accepted": False, "refused": why, "error": str(e)[:200]}
     start = time.perf_counter()
     [out] = llm.generate(prompt, max_tokens=max_tokens, structured=spec, **settings)
@@ -118,6 +120,7 @@ def summarize(model: str, settings: dict, runs: list[dict], max_tokens: int) -> 
     return {"model": model, "settings": settings, "max_tokens": max_tokens, "schemas": len(runs),
             "accepted": len(ran), "refused_by_engine": sum(r["refused"] == "engine" for r in refused),
             "refused_for_room": sum(r["refused"] == "room" for r in refused),
+            "refused_no_completion": sum(r["refused"] == "search" for r in refused),
             "valid": sum(r["valid"] for r in ran), "complete": sum(r["complete"] for r in ran),
             "passes": total("passes"), "free_passes": total("free_passes"),
             "tokens_per_pass": total("tokens") / max(1, total("passes")),
@@ -137,7 +140,7 @@ def _settings_text(settings: dict) -> str:
 
 def format_row(r: dict) -> str:
     accepted = f"{r['accepted']}/{r['schemas']}"
-    refused = f"{r['refused_by_engine']} engine, {r['refused_for_room']} room"
+    refused = f"{r['refused_by_engine']} engine, {r['refused_for_room']} room, {r['refused_no_completion']} no completion"
     ran = max(1, r["accepted"])
     compile_ms = "-" if r["compile_ms_median"] is None else f"{r['compile_ms_median']:.1f} / {r['compile_ms_max']:.0f}"
     return (f"| {r['model']} | {_settings_text(r['settings'])} | {accepted} ({refused}) | "

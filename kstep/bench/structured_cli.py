@@ -21,8 +21,8 @@ def add_structured(kinds) -> None:
                             "every family, with a second setting where it changes the decoder's path)")
     bench.add_argument("--schemas", type=int, default=None, help="how many of the sample's 108 schemas (default: all)")
     bench.add_argument("--max-tokens", type=int, default=256)
-    bench.add_argument("--engines", action="store_true", help="also llguidance against xgrammar (if installed) on the "
-                       "same schemas, with no model")
+    bench.add_argument("--engines", action="store_true", help="instead: llguidance against xgrammar (if installed) on "
+                       "the same schemas and token sequences, with no model")
     bench.add_argument("--tokenizer", default=None, help="--engines: the tokenizer.json to mask over (default: the "
                        "bundled default's; 'wide': a byte-level BPE of Qwen2.5's 151,936 tokens, trained once here)")
     bench.add_argument("--step-shape", default=None, help="--engines: time one AR decode step of this shape too "
@@ -39,18 +39,18 @@ def run_structured(args: argparse.Namespace) -> int:
     sample = structured.load_sample(args.schemas)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [structured.measure(model, settings, sample, args.max_tokens, args.device, args.dtype,
-                               lambda line: print(line, file=sys.stderr, flush=True))
-            for model, settings in ([(m, {}) for m in args.model] if args.model else DEFAULT_ROWS)]
-    table = structured.format_table(rows)
-    result = {"sample": {k: v for k, v in sample.items() if k != "schemas"}, "schemas": len(sample["schemas"]),
-              "rows": rows}
-    if args.engines:
-        engines_table, result["engines"] = _engines(args, sample)
-        table += "\n\n" + engines_table
+    result = {"sample": {k: v for k, v in sample.items() if k != "schemas"}, "schemas": len(sample["schemas"])}
+    if args.engines:  # the engines alone, no model
+        table, result["engines"] = _engines(args, sample)
+        name = "bench_structured_engines"
+    else:
+        result["rows"] = [structured.measure(model, settings, sample, args.max_tokens, args.device, args.dtype,
+                                             lambda line: print(line, file=sys.stderr, flush=True))
+                          for model, settings in ([(m, {}) for m in args.model] if args.model else DEFAULT_ROWS)]
+        table, name = structured.format_table(result["rows"]), "bench_structured"
     print(table)
-    (out / "bench_structured.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "bench_structured.md").write_text(table + "\n")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.md").write_text(table + "\n")
     return 0
 
 

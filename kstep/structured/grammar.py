@@ -20,6 +20,7 @@ from pathlib import Path
 
 import llguidance
 
+from kstep.structured.examples import example, schema_hints
 from kstep.structured.schema import enforceable, without_format
 from kstep.structured.spec import StructuredSpec
 
@@ -55,6 +56,7 @@ class Grammar:
     tokens: llguidance.LLTokenizer
     bytes: llguidance.LLTokenizer
     compile_seconds: float
+    hints: tuple[bytes, ...] = ()  # texts its free text must hold, for the completion search (examples.py)
     is_reported: bool = False
 
     def take_compile_seconds(self) -> float | None:
@@ -100,7 +102,9 @@ class GrammarCompiler:
             schema = without_format(schema, unknown.group(1))  # an annotation it cannot assert (schema.py)
         if error is not None:
             raise ValueError(f"{spec.field}: the {KIND_NAMES[spec.kind]} cannot be enforced: {_first_line(error)}")
-        grammar = Grammar(spec, text, self.tokens, self.bytes, time.perf_counter() - start)
+        hints = schema_hints(schema) if schema is not None else \
+            [found.encode()] if spec.kind == "regex" and (found := example(spec.value)) else []
+        grammar = Grammar(spec, text, self.tokens, self.bytes, time.perf_counter() - start, tuple(hints))
         self.cache[key] = grammar
         if len(self.cache) > CACHE_SIZE:
             self.cache.popitem(last=False)

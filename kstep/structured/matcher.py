@@ -28,34 +28,41 @@ PREFERENCE = [*_FIRST, *(b for b in range(33, 127) if b not in _FIRST + _LAST), 
 NARROW_TRIES = 8     # options looked at for a byte that changes the state, until...
 LOOPS_BEFORE_WIDE = 4  # ... this many bytes in a row changed nothing: then all of them
 MAX_CLOSING_BYTES = 4096
+TEXT_BYTES = 64      # printable ASCII bytes allowed at once: free text (a string's content)
 
 
 def _bits(mask: bytes, width: int) -> np.ndarray:
     return np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:width]
 
 
-def closing_bytes(matcher) -> bytes | None:
+def closing_bytes(matcher, hints: tuple[bytes, ...] = ()) -> bytes | None:
     """A valid completion (bytes) from a byte-table matcher's state (module note), or None when the
-    search finds none within MAX_CLOSING_BYTES. The matcher is left as it was."""
+    search finds none within MAX_CLOSING_BYTES. `hints`: texts the spec's free text must hold
+    (examples.py), tried where the bytes one by one show no progress. The matcher is left as it was."""
     state, out, loops = matcher.deep_copy(), bytearray(), 0
     signature = state.compute_bitmask()
     while not state.is_accepting():
         forced = state.compute_ff_bytes()
-        if forced:
-            state.consume_tokens(list(forced))
-            out += forced
+        hinted = _hint(state, signature, hints) if not forced and (loops or _needs_text(signature)) else None
+        if forced or hinted:
+            state.consume_tokens(list(forced or hinted))
+            out += forced or hinted
             signature = state.compute_bitmask()
         else:
             allowed = _bits(signature, 256)
             options = [b for b in PREFERENCE if allowed[b]]
             if not options:
                 return None
-            tries = options if loops >= LOOPS_BEFORE_WIDE else options[:NARROW_TRIES]
+            # in free text (a string's content: most printable bytes allowed) a quote ends it; elsewhere a
+            # closing bracket always ends something, even where the allowed set after it looks the same
+            in_text = int(allowed[32:127].sum()) >= TEXT_BYTES
+            closing = [b for b in (b'"' if in_text else b"}])") if allowed[b]]
+            tries = closing[:1] or (options if loops >= LOOPS_BEFORE_WIDE else options[:NARROW_TRIES])
             for byte in tries:
                 child = state.deep_copy()
                 child.consume_token(byte)
                 child_signature = child.compute_bitmask()
-                if child.is_accepting() or child_signature != signature:
+                if child.is_accepting() or child_signature != signature or byte in closing:
                     state, signature, loops = child, child_signature, 0
                     break
             else:
@@ -65,6 +72,21 @@ def closing_bytes(matcher) -> bytes | None:
         if len(out) > MAX_CLOSING_BYTES or state.is_error():
             return None
     return bytes(out)
+
+
+def _needs_text(signature: bytes) -> bool:
+    """Inside free text (most printable bytes allowed) that may not end yet (no closing quote allowed)."""
+    allowed = _bits(signature, 256)
+    return int(allowed[32:127].sum()) >= TEXT_BYTES and not allowed[ord('"')]
+
+
+def _hint(state, signature: bytes, hints: tuple[bytes, ...]) -> bytes | None:
+    """The first hint the state takes and after which something changes (its end may follow)."""
+    for hint in hints:
+        trial = state.deep_copy()
+        if trial.consume_tokens(list(hint)) and (trial.is_accepting() or trial.compute_bitmask() != signature):
+            return hint
+    return None
 
 
 def _completes(matcher, text: bytes) -> bool:
@@ -83,7 +105,7 @@ class RowMatcher:
 
     def __init__(self, grammar: Grammar, stop_ids: list[int], vocab_size: int):
         self.tokens, self.bytes = grammar.matcher(grammar.tokens), grammar.matcher(grammar.bytes)
-        self.table, self.stop_ids, self.vocab_size = grammar.tokens, stop_ids, vocab_size
+        self.table, self.stop_ids, self.vocab_size, self.hints = grammar.tokens, stop_ids, vocab_size, grammar.hints
         self.stop_token = stop_ids[0]
         self.num_committed, self.is_closed = 0, False
         self._allowed: torch.Tensor | None = None   # the current state's mask, until the next commit
@@ -223,7 +245,7 @@ class RowMatcher:
 
     def _search(self, matcher) -> bytes | None:
         start = time.perf_counter()
-        found = closing_bytes(matcher)
+        found = closing_bytes(matcher, self.hints)
         self.counts["searches"] += 1
         self.counts["search_seconds"] += time.perf_counter() - start
         return found
