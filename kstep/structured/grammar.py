@@ -1,10 +1,12 @@
 """A model's grammar engine: llguidance (guidance-ai/llguidance), its token tables built once per
 model from the checkpoint's tokenizer.json, and each request's spec compiled once and cached.
 
-Why llguidance (measured in docs/benchmarks.md, `kstep bench structured --engines`): it installs as
-one dependency-free wheel (xgrammar pulls transformers, triton and a TVM runtime), compiles a
-real-world schema in under a millisecond, and refuses the schema features it cannot enforce instead
-of under-constraining them; vLLM, SGLang and llama.cpp ship it too.
+Why llguidance (measured in docs/benchmarks.md, `kstep bench structured --engines`): one wheel with
+no dependencies (xgrammar pulls transformers, triton and a TVM runtime); it compiles a real-world
+schema in 1.9 ms at the median with a 151,936-token vocabulary (xgrammar: 31 ms, 265 ms at the 95th
+percentile: a compile is on the request path of every new schema); it refuses the schema features it
+cannot enforce instead of approximating them; its masks (30 us median there, 3.5 ms at worst) are
+slower than xgrammar's but stay under 6% of a 0.5B model's CPU decode step.
 
 Two token tables per model: the model's own (the masks a sampler applies) and one of the 256 bytes
 (matcher.py's search for the shortest completion walks bytes, whose masks are 257 bits wide).
