@@ -130,26 +130,27 @@ def test_speculative_decoding_verifies_drafts_against_the_grammar(tmp_path, draf
         assert sampled.finish_reason == "stop" and valid(spec, sampled.text), (spec.kind, sampled.text)
 
 
-def test_batched_equals_alone_with_constrained_and_free_requests_mixed(models):
+@pytest.mark.parametrize("family", ["llama", "llada", "llada_moe", "dream", "fast_dllm_v2", "sdar", "llada2_moe",
+                                    "diffusion_gemma", "nemotron_labs_diffusion"])
+def test_batched_equals_alone_with_constrained_and_free_requests_mixed(models, family):
     """One engine step packs constrained and unconstrained requests of a model: each gets what it
-    gets alone (greedy), for an AR, a masked and a block family."""
-    for family in ("llama", "llada", "sdar"):
-        llm = models(family)
-        engine = Engine(llm, max_batch_size=8)
-        requests, alone = [], {}
-        for i, (prompt, spec) in enumerate([("def f(x):", SPECS[0]), ("import os", None), ("x", SPECS[2]),
-                                            ("class A:", None), ("y =", SPECS[3])]):
-            params = llm.resolve(GenerationParams(max_tokens=64, structured=spec))
-            request = Request([llm.encode_prompt(prompt)], params)
-            requests.append((i % 2, request))
-            alone[request.request_id] = llm.generate(llm.encode_prompt(prompt), params)[0]
-        arrivals: dict[int, list[Request]] = {}
-        for join, request in requests:
-            arrivals.setdefault(join, []).append(request)
-        run(engine, arrivals)
-        for _, request in requests:
-            want = alone[request.request_id]
-            assert llm.cut_at_stop(request.output_ids[0]) == (want.token_ids, want.finish_reason), family
+    gets alone (greedy), every family."""
+    llm = models(family)
+    engine = Engine(llm, max_batch_size=8)
+    requests, alone = [], {}
+    for i, (prompt, spec) in enumerate([("def f(x):", SPECS[0]), ("import os", None), ("x", SPECS[2]),
+                                        ("class A:", None), ("y =", SPECS[3])]):
+        params = llm.resolve(GenerationParams(max_tokens=64, structured=spec))
+        request = Request([llm.encode_prompt(prompt)], params)
+        requests.append((i % 2, request))
+        alone[request.request_id] = llm.generate(llm.encode_prompt(prompt), params)[0]
+    arrivals: dict[int, list[Request]] = {}
+    for join, request in requests:
+        arrivals.setdefault(join, []).append(request)
+    run(engine, arrivals)
+    for _, request in requests:
+        want = alone[request.request_id]
+        assert llm.cut_at_stop(request.output_ids[0]) == (want.token_ids, want.finish_reason), family
 
 
 def test_rows_of_one_request_each_keep_their_grammar(models):
