@@ -250,3 +250,13 @@ def test_served_on_two_ranks_batched_equals_alone_and_a_lost_rank_fails_its_mode
         worker.join(30)
         assert answer["r"].status_code == 503 and "tensor-parallel group" in answer["r"].json()["error"]["message"]
         assert proc.wait(timeout=30) != 0
+
+
+def test_a_pass_description_carries_every_field_of_a_forward_pass():
+    """What rank 0 sends the others (distributed/messages.py) is the whole ForwardPass but its runner:
+    a field added to one and not the other would silently not reach the other ranks."""
+    from dataclasses import fields
+
+    from kstep.distributed.messages import PassDescription
+    from kstep.runner.model_runner import ForwardPass
+    assert {f.name for f in fields(PassDescription)} == {f.name for f in fields(ForwardPass)} - {"runner"}
