@@ -220,3 +220,29 @@ def test_metrics_count_grammars_masks_forced_tokens_and_outcomes(server):
     assert metric(server, "kstep_grammar_forced_tokens_total", 'model="block"') > forced
     assert metric(server, "kstep_grammar_compile_seconds_count", 'model="block"') >= 1
     assert metric(server, "kstep_grammar_mask_microseconds_count", 'model="block"') >= 2
+
+
+ALL_FAMILIES = ("llama", "qwen2", "llada", "llada_moe", "dream", "fast_dllm_v2", "sdar", "llada2_moe", "diffusion_gemma",
+                "nemotron_labs_diffusion")
+
+
+def test_every_family_serves_a_json_schema_and_a_named_tool_call(tmp_path):
+    """One server with a model of every family: through the openai client, a json_schema reply and a
+    named tool call from each validate, streamed as not streamed."""
+    specs = [f"{family}={write_random_checkpoint(tmp_path / family, family=family, seed=3)}" for family in ALL_FAMILIES]
+    with running_server(specs[0], *(a for spec in specs[1:] for a in ("--model", spec)),
+                        log=tmp_path / "serve.log") as (url, _):
+        for family in ALL_FAMILIES:
+            reply = client(url).chat.completions.create(model=family, messages=MESSAGES, max_tokens=80,
+                                                        temperature=0, response_format=RESPONSE_FORMAT)
+            jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+            chunks = client(url).chat.completions.create(model=family, messages=MESSAGES, max_tokens=80,
+                                                         temperature=0, response_format=RESPONSE_FORMAT, stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+                reply.choices[0].message.content, family
+            calls, text, reason = calls_and_text(url, family, tool_choice={"type": "function",
+                                                                           "function": {"name": "add"}})
+            assert reason == "tool_calls" and text is None and [c[0] for c in calls] == ["add"], family
+            jsonschema.validate(json.loads(calls[0][1]), PARAMETERS["add"])
+            assert [c[:2] for c in calls_and_text(url, family, stream=True, tool_choice={
+                "type": "function", "function": {"name": "add"}})[0]] == [c[:2] for c in calls], family
