@@ -30,6 +30,15 @@ from kstep.structured.grammar import Grammar
 from kstep.structured.matcher import RowMatcher
 
 
+def _as_wide(allowed: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """An allowed-token mask (..., table width) as wide as the logits, on their device: ids past the
+    tokenizer's table (a padded head) are never allowed."""
+    allowed, width = allowed.to(logits.device), logits.shape[-1]
+    if allowed.shape[-1] < width:
+        allowed = torch.cat([allowed, allowed.new_zeros(*allowed.shape[:-1], width - allowed.shape[-1])], -1)
+    return allowed[..., :width]
+
+
 class Constraint:
     def __init__(self, grammar: Grammar, num_rows: int, max_tokens: int, stop_ids: list[int], vocab_size: int,
                  mask_id: int | None):
@@ -46,13 +55,10 @@ class Constraint:
     def mask(self, logits: torch.Tensor, output_index: torch.Tensor | int) -> torch.Tensor:
         """Logits (B, T, V) of completion positions `output_index` (an int, or broadcastable to (B, T)),
         with each row's frontier column limited to the tokens its grammar allows (module note)."""
-        allowed = torch.stack([row.allowed() for row in self.rows]).to(logits.device)  # (B, V)
-        width = logits.shape[-1]
-        if allowed.shape[1] < width:  # the head is wider than the tokenizer's table: those ids never
-            allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], width - allowed.shape[1])], 1)
+        allowed = _as_wide(torch.stack([row.allowed() for row in self.rows]), logits)  # (B, V)
         frontier = torch.tensor(self.frontier(), device=logits.device)[:, None]  # (B, 1)
         at_frontier = (torch.as_tensor(output_index, device=logits.device) == frontier).expand(logits.shape[:2])
-        return logits.masked_fill(at_frontier[..., None] & ~allowed[:, None, :width], float("-inf"))
+        return logits.masked_fill(at_frontier[..., None] & ~allowed[:, None, :], float("-inf"))
 
     def step(self, block: torch.Tensor, candidates: torch.Tensor, chosen: torch.Tensor, index: torch.Tensor,
              count: torch.Tensor | None = None, rows: torch.Tensor | None = None,
@@ -102,7 +108,7 @@ class Constraint:
         for b, row in enumerate(self.rows):
             trial = row.copy()
             for i in range(logits.shape[1]):
-                masked[b, i].masked_fill_(~trial.allowed().to(logits.device)[:logits.shape[-1]], float("-inf"))
+                masked[b, i].masked_fill_(~_as_wide(trial.allowed(), logits), float("-inf"))
                 if drafts is None or i == drafts.shape[1]:
                     break
                 draft = int(drafts[b, i])

@@ -76,10 +76,8 @@ class GrammarCompiler:
     """One model's tables and its cache of compiled grammars (keyed by spec: equal schemas share one)."""
 
     def __init__(self, tokenizer_json: Path, vocab_size: int, stop_ids: list[int]):
-        start = time.perf_counter()
         self.tokens = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size, eos_token=list(stop_ids))
         self.bytes = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
-        self.table_seconds = time.perf_counter() - start
         self.cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
 
     def compile(self, spec: StructuredSpec) -> Grammar:
