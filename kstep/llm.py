@@ -3,8 +3,7 @@
 Owns the loaded model (its runner, tokenizer, family, special ids, an optional draft), prompt
 validation, params resolution for its family, and the offline loop: one decoder stepped alone.
 Which decoder runs is the family's (kstep/registry.py); the serving engine steps the same
-decoders with other requests' (kstep/engine).
-"""
+decoders with other requests' (kstep/engine)."""
 import time
 import weakref
 from dataclasses import replace
@@ -26,6 +25,7 @@ from kstep.registry import FAMILIES
 from kstep.runner.prefix_cache import PrefixCache
 from kstep.loading import load_runner
 from kstep.runner.model_runner import ModelRunner
+from kstep.structured.grammar import Grammar
 from kstep.structured.model_grammar import ModelGrammar
 from kstep.tokenizer import Tokenizer, load_tokenizer
 from kstep.weights import read_json, resolve_dtype
@@ -185,11 +185,12 @@ class LLM:
 
     def make_decoder(self, rows: list[list[int]], params: GenerationParams, prefix_cache: PrefixCache | None = None,
                      include_canvas: bool = False, first_tokens: list[list[int]] | None = None,
-                     suffixes: list[list[int]] | None = None) -> Decoder:
+                     suffixes: list[list[int]] | None = None, grammar: Grammar | None = None) -> Decoder:
         """The decoder of this model's family for encoded prompts `rows` (left-padded into one batch)
         under resolved `params`; stepped alone by `generate`, or with other requests by the engine.
         `first_tokens`: per row, the ids its first token may take (token healing; [] = any).
-        `suffixes`: per row, the encoded text after the gap (infilling; full-attention families only)."""
+        `suffixes`: per row, the encoded text after the gap (infilling; full-attention families only).
+        `grammar`: params.structured compiled (a server's worker thread did it), else compiled here (cached)."""
         if not params.is_resolved:
             raise RuntimeError("internal: params reach a decoder resolved (GenerationParams.resolve, at the edge)")
         if suffixes and any(suffixes):
@@ -198,12 +199,11 @@ class LLM:
         first_allowed = None
         if first_tokens and any(first_tokens):
             first_allowed = torch.ones(len(rows), self.cfg.vocab_size, dtype=torch.bool)
-            for row, allowed in enumerate(first_tokens):
-                if allowed:
-                    first_allowed[row] = False
-                    first_allowed[row, allowed] = True
-        constraint = None if params.structured is None else \
-            self.grammar.constraint(params.structured, len(rows), params.max_tokens)
+            for row, allowed in ((row, allowed) for row, allowed in enumerate(first_tokens) if allowed):
+                first_allowed[row], first_allowed[row, allowed] = False, True
+        if grammar is None and params.structured is not None:
+            grammar = self.grammar.compile(params.structured)
+        constraint = None if grammar is None else self.grammar.constraint(grammar, len(rows), params.max_tokens)
         batch = DecodeBatch.from_prompts(rows, self.pad_id, self.stop_ids, self.cfg.mask_token_id, self.device,
                                          params.seed, include_canvas, first_allowed, suffixes, constraint)
         decoder = make_decoder(self.family, self.runner, batch, params, DecoderResources(prefix_cache, self.drafter))

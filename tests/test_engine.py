@@ -86,7 +86,7 @@ def fake_engine():
     main, draft = FakeRunner(shift=1), FakeRunner(shift=3)
 
     def fake_make_decoder(rows, params, prefix_cache=None, include_canvas=False, first_tokens=None,
-                          suffixes=None):
+                          suffixes=None, grammar=None):
         if params.max_tokens > 40:
             raise ValueError("the fake model's context is 40 tokens")
         return FakeDecoder(rows, params.max_tokens, [main, draft] if params.num_draft_tokens else [main])
@@ -236,10 +236,11 @@ def test_engine_step_mixes_diffusion_and_ar_requests(llada_path, llama_path, mon
 
     own_make_decoder = diffusion.make_decoder
 
-    def make_either(rows, params, prefix_cache=None, include_canvas=False, first_tokens=None, suffixes=None):
+    def make_either(rows, params, prefix_cache=None, include_canvas=False, first_tokens=None, suffixes=None,
+                    grammar=None):
         # Routes each request to its model: resolve() gives only diffusion params an unmask policy.
         make = own_make_decoder if params.policy is not None else ar.make_decoder
-        return make(rows, params, prefix_cache, include_canvas, first_tokens, suffixes)
+        return make(rows, params, prefix_cache, include_canvas, first_tokens, suffixes, grammar)
 
     monkeypatch.setattr(diffusion, "make_decoder", make_either)
     engine = Engine(diffusion, max_batch_size=8)

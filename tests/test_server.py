@@ -81,22 +81,26 @@ def test_streaming_discloses_committed_text_and_ends_with_usage(llada_server):
     kwargs = dict(model="tiny", prompt=PROMPTS[2], max_tokens=32, temperature=0,
                   extra_body={"cache": "dual", "block_length": 16})
     whole = c.completions.create(**kwargs).choices[0].text
-    chunks = list(c.completions.create(stream=True, **kwargs))
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole
     assert len([ch for ch in chunks if ch.choices and ch.choices[0].text]) > 1, "text arrived in one piece"
-    assert chunks[-1].choices[0].finish_reason == "length"
+    # OpenAI's include_usage: the finish reason on the last chunk with choices, then one with none, the usage
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens > 0 and chunks[-1].usage.model_extra["nfe"] > 0
-    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+    assert all(ch.choices[0].finish_reason is None and ch.usage is None for ch in chunks[:-2])
+    plain = list(c.completions.create(stream=True, **kwargs))  # without it, no usage at all
+    assert plain[-1].choices[0].finish_reason == "length" and all(ch.usage is None for ch in plain)
+    assert all("usage" not in ch.model_fields_set for ch in plain)
 
 
 def test_canvas_snapshots_show_refinement(llada_server):
     with httpx.stream("POST", llada_server + "/v1/completions", json={
             "model": "tiny", "prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0, "stream": True,
-            "stream_options": {"include_canvas": True}}) as r:
+            "stream_options": {"include_canvas": True, "include_usage": True}}) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     import json
-    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    *chunks, usage = [json.loads(line[6:]) for line in lines[:-1]]
     masks = [ch["choices"][0]["canvas"].count(MASK_PLACEHOLDER) for ch in chunks]
     steps = [ch["choices"][0]["step"] for ch in chunks]
     assert masks[0] == 15 and masks[-1] == 0 and masks == sorted(masks, reverse=True)
@@ -107,7 +111,7 @@ def test_canvas_snapshots_show_refinement(llada_server):
     assert all("".join(x if x is not None else MASK_PLACEHOLDER for x in p) == ch["choices"][0]["canvas"]
                for p, ch in zip(pieces, chunks))
     tokens = [ch["choices"][0]["tokens"] for ch in chunks]  # committed so far
-    assert tokens == sorted(tokens) and tokens[-1] == chunks[-1]["usage"]["completion_tokens"]
+    assert tokens == sorted(tokens) and tokens[-1] == usage["usage"]["completion_tokens"] and usage["choices"] == []
     # LLaDA never changes an unmasked token: no position is reported as edited
     assert all(ch["choices"][0]["canvas_edits"] == [] for ch in chunks)
 

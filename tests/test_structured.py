@@ -190,7 +190,7 @@ def test_a_grammar_compiles_once_per_model(models):
     llm = models("llama")
     spec = StructuredSpec.json_schema({"type": "object", "properties": {"k": {"type": "integer"}}})
     llm.generate("x", max_tokens=16, structured=spec)
-    again = StructuredSpec.json_schema(json.dumps({"properties": {"k": {"type": "integer"}}, "type": "object"}))
+    again = StructuredSpec.json_schema(json.dumps({"type": "object", "properties": {"k": {"type": "integer"}}}, indent=2))
     assert llm.grammar.compile(again) is llm.grammar.compile(spec)  # equal schemas, one compiled grammar
 
 

@@ -8,7 +8,7 @@ import pytest
 import kstep
 from kstep.random_checkpoint import write_random_checkpoint
 from kstep.structured import StructuredSpec
-from kstep.structured.schema import enforceable, without_format
+from kstep.structured.schema import enforceable, prepare, without_unknown_formats
 
 
 def test_only_type_disjoint_one_ofs_become_any_ofs():
@@ -20,8 +20,10 @@ def test_only_type_disjoint_one_ofs_become_any_ofs():
         assert enforceable(overlapping) == overlapping
     nested = {"properties": {"x": {"oneOf": [{"type": "string"}, {"type": "boolean"}]}}}
     assert enforceable(nested) == {"properties": {"x": {"anyOf": [{"type": "string"}, {"type": "boolean"}]}}}
-    assert without_format({"type": "string", "format": "semver", "properties": {"format": {"type": "string"}}},
-                          "semver") == {"type": "string", "properties": {"format": {"type": "string"}}}
+    assert without_unknown_formats({"type": "string", "format": "semver", "properties": {"format": {"type": "string"}},
+                                    "items": {"format": "date"}}, frozenset({"date"})) == \
+        {"type": "string", "properties": {"format": {"type": "string"}}, "items": {"format": "date"}}
+    assert prepare(True, frozenset()) == {}
 
 
 def test_rewritten_schemas_compile_and_their_outputs_validate_against_the_original(tmp_path):

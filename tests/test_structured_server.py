@@ -165,7 +165,9 @@ def test_a_tool_result_goes_back_into_the_prompt(server):
     assert tools == TOOLS and own[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
     reply = client(server).chat.completions.create(model="ar", messages=history, tools=TOOLS, max_tokens=16,
                                                    temperature=0)
-    assert reply.choices[0].finish_reason in ("stop", "tool_calls")
+    choice = reply.choices[0]  # calls, or a text answer (cut at max_tokens like any text: "length")
+    assert choice.finish_reason in ("stop", "tool_calls") or (choice.finish_reason == "length"
+                                                              and choice.message.tool_calls is None)
 
 
 @pytest.mark.parametrize("fields,param,says", [

@@ -30,7 +30,8 @@ class Sample:
 async def _one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str, settings: dict) -> Sample:
     start = time.perf_counter()
     ttft, usage = None, {}
-    body = {"model": model, "prompt": prompt, "stream": True, "temperature": 0, **settings}
+    body = {"model": model, "prompt": prompt, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+            **settings}
     try:
         async with http.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:

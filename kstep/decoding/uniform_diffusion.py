@@ -135,7 +135,7 @@ class UniformDiffusionDecoder(Decoder):
         entropies = entropy(processed)  # (B, L)
         canvas = torch.where(accept(entropies, p.entropy_bound), sampled, self._random_tokens())
         if self.grammar is not None:
-            argmax, canvas = self._keep_grammar(processed, probs, accept(entropies, p.entropy_bound))
+            argmax, canvas = self._keep_grammar(processed, probs, accept(entropies, p.entropy_bound), argmax, canvas)
         done = self.done[:, None]  # rows that stopped keep their canvas
         argmax, canvas = torch.where(done, self.argmax, argmax), torch.where(done, self.canvas, canvas)
         stable, self.history = is_stable(self.history, argmax)
@@ -146,12 +146,13 @@ class UniformDiffusionDecoder(Decoder):
         else:
             self.soft = self.runner.soft_embedding(processed)
 
-    def _keep_grammar(self, processed: torch.Tensor, probs: torch.Tensor,
-                      accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _keep_grammar(self, processed: torch.Tensor, probs: torch.Tensor, accepted: torch.Tensor,
+                      free_argmax: torch.Tensor, free_canvas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The argmax canvas and the next input canvas under a structured output's grammar, each walked
         from the row's frontier (Constraint.walk): the argmax among the tokens allowed there; the kept
         samples drawn among them, and the renoised positions' random tokens too (nothing leaves the
-        grammar, not even noise). The random draws follow the walk, not transformers' order."""
+        grammar, not even noise). The random draws follow the walk, not transformers' order. A row
+        the grammar does not walk (released, or done) keeps the unconstrained `free_argmax` / `free_canvas`."""
         live = (~(self.done | self.row_finished)).tolist()
         index = list(range(self.canvas_idx * self.canvas_length, (self.canvas_idx + 1) * self.canvas_length))
         allowed_here = lambda allowed: allowed.to(self.device)  # noqa: E731
@@ -168,8 +169,8 @@ class UniformDiffusionDecoder(Decoder):
         def canvas(walked: list, fallback: torch.Tensor) -> torch.Tensor:
             return torch.stack([torch.tensor(t, device=self.device) if t is not None else fallback[b]
                                 for b, t in enumerate(walked)])
-        return (canvas(self.grammar.walk(index, best, live), self.argmax),
-                canvas(self.grammar.walk(index, drawn, live), self.canvas))
+        return (canvas(self.grammar.walk(index, best, live), free_argmax),
+                canvas(self.grammar.walk(index, drawn, live), free_canvas))
 
     def _commit(self) -> None:
         """The argmax canvas is final; a stop token in it, or the last canvas, ends a row."""

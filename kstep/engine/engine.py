@@ -70,8 +70,10 @@ class Engine:
 
     def add_request(self, request: Request) -> None:
         """Queue a request (raises QueueFull, or ValueError for params this model cannot run).
-        Prompts must already be encoded and validated."""
-        request.params = self.llm.resolve(request.params)
+        Prompts must already be encoded and validated; params resolved by the server are taken as
+        they are (resolving compiles a structured output's grammar: not on the event loop)."""
+        if not request.params.is_resolved:
+            request.params = self.llm.resolve(request.params)
         self.scheduler.add(request)
 
     def abort(self, request_id: str) -> None:
@@ -132,14 +134,16 @@ class Engine:
         try:
             request.decoder = self.llm.make_decoder(request.rows, request.params, self.prefix_cache,
                                                     request.include_canvas, request.per_row(request.first_tokens),
-                                                    request.per_row(request.suffixes) or None)
+                                                    request.per_row(request.suffixes) or None, request.grammar)
         except (ValueError, RuntimeError) as e:  # e.g. out of memory for its cache
             self.scheduler.finish(request)
             return RequestOutput(request.request_id, [], 0, is_finished=True, error=str(e))
         given_back = request.per_row(request.given_back) or [""] * request.num_rows
         stop_ids = [] if request.params.ignore_eos else self.llm.stop_ids  # every token is the completion's
-        self.streams[request.request_id] = [TextStream(self.llm.tokenizer, stop_ids, request.stop, text)
-                                            for text in given_back]
+        grammar = request.decoder.constraint
+        self.streams[request.request_id] = [TextStream(self.llm.tokenizer, stop_ids, request.stop, text,
+                                                       None if grammar is None else lambda i=i: grammar.rows[i].is_free)
+                                            for i, text in enumerate(given_back)]
         return None
 
     def _drop_streams_of_aborted(self, batch: list[Request]) -> None:

@@ -24,6 +24,7 @@ class Request:
     first_tokens: list[list[int]] = field(default_factory=list)  # per prompt: the ids its first token may take
     suffixes: list[list[int]] = field(default_factory=list)      # per prompt: infilling's text after the gap
     plan: Any = None                 # a time budget's budget.Plan (its prediction goes out in the usage)
+    grammar: Any = None              # params.structured compiled (kstep/structured: once, off the event loop)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: float | None = None  # when it joined the batch (the server's max_request_seconds counts from it)

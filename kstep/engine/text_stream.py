@@ -5,6 +5,8 @@ change it. Committed text is sent, except a tail that is not yet final text: an 
 character (byte-level BPE), or the start of a stop string that the next tokens may complete (the
 stop string itself is never sent, as in the OpenAI API).
 """
+from collections.abc import Callable
+
 from kstep.tokenizer import Tokenizer
 
 MASK_PLACEHOLDER = "\u2591"  # one per masked position in `include_canvas` snapshots
@@ -22,10 +24,13 @@ def _held_back(text: str, stop: list[str]) -> int:
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer | None, stop_ids: list[int], stop: list[str], given_back: str = ""):
+    def __init__(self, tokenizer: Tokenizer | None, stop_ids: list[int], stop: list[str], given_back: str = "",
+                 is_text: Callable[[], bool] | None = None):
         """`given_back`: text token healing took off the prompt; the first token starts with it, and it
-        is not the completion's."""
+        is not the completion's. `is_text`: whether the row is free text yet, where stop strings apply
+        (a text answer beside tool calls: structured/matcher.py; a call is never cut by one)."""
         self.tokenizer, self.stop_ids, self.stop, self.given_back = tokenizer, set(stop_ids), stop, given_back
+        self.is_text = is_text or (lambda: True)
         self.sent_text, self.num_sent_ids = "", 0
         self.finish_reason: str | None = None
         self.num_tokens = 0
@@ -55,14 +60,15 @@ class TextStream:
         text = self._decode(ids)
         if self.given_back:
             text = text[len(self.given_back):] if text.startswith(self.given_back) else ""
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        stop = self.stop if self.is_text() else []
+        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
         if cut >= 0:
             text, reason = text[:cut], "stop"
         if reason is None and is_last:
             reason = "length"
         if reason is None:
             text = text.rstrip("\ufffd")
-            text = text[:len(text) - _held_back(text, self.stop)]
+            text = text[:len(text) - _held_back(text, self.stop)]  # (a call's too: it may become text)
         self.finish_reason = reason
         self.num_tokens = len(ids)
         if not text.startswith(self.sent_text):  # cannot retract: wait until the text extends what was sent

@@ -2,11 +2,13 @@
 and validate at the edge (errors.py says no), submit to its engine, respond (streaming.py). Also
 which models are up: a model whose engine is down (a lost tensor-parallel rank) answers 503, the
 others go on, and once none is up the server is told (`on_no_live_model`)."""
+import asyncio
 import logging
 import os
 import signal
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -25,6 +27,7 @@ from kstep.server.streaming import Stream
 from kstep.server.tools import prompt_messages
 
 log = logging.getLogger("kstep.server")
+PREPARE_WORKERS = 2
 
 
 @dataclass(slots=True)
@@ -46,8 +49,12 @@ class Routes:
     A model going down is told to `on_model_down` (its name), and once none is up, to
     `on_no_live_model` (kstep serve: exit non-zero; by default the process is asked to terminate)."""
 
-    def __init__(self, default_max_tokens: int, routes: list[ModelRoute]):
+    def __init__(self, default_max_tokens: int, routes: list[ModelRoute], num_workers: int = PREPARE_WORKERS):
         self.default_max_tokens = default_max_tokens
+        # Preparing a request (rendering and tokenizing its prompt, compiling its grammar: up to a
+        # completion search's bound) runs here, never on the event loop: one request's preparation
+        # never stalls another's stream. Bounded: at most this many at once, the rest wait their turn.
+        self.workers = ThreadPoolExecutor(num_workers, thread_name_prefix="kstep-prepare")
         self.by_name = {r.name: r for r in routes}
         self.on_model_down: Callable[[str], None] = lambda name: None
         self.on_no_live_model: Callable[[], None] = _terminate
@@ -105,7 +112,8 @@ class Routes:
 
     def _prepare(self, route: ModelRoute, body: SamplingFields, prompts: list[list[int]], is_text: list[bool],
                  default_max_tokens: int, suffix: list[int] | None = None) -> EngineRequest:
-        """Params resolved for the model, text prompts token-healed, the context checked."""
+        """Params resolved for the model (a structured output's grammar compiled: module note), text
+        prompts token-healed, the context checked."""
         llm = route.llm
         if (field_name := body.unsupported()) is not None:
             raise APIError(400, f"{field_name} is not supported by kstep", field_name)
@@ -114,11 +122,17 @@ class Routes:
         try:
             defaults = defaults_for_mode(llm.family, route.defaults, body.mode or route.defaults.get("mode"))
             params = llm.resolve(body.generation_params(defaults, default_max_tokens))
+            grammar = None if params.structured is None else llm.grammar.compile(params.structured)  # cached
             stop = body.stop_strings()
         except ValueError as e:
             if body.asks_structured():
                 route.metrics.observe_refused_grammar()
             raise APIError(400, str(e), param_named_in(str(e), set(type(body).model_fields))) from None
+        if stop and grammar is not None and grammar.trigger is None:
+            raise APIError(400, f"stop: a stop string cannot end an output that {params.structured.field} asks "
+                                "for: its grammar decides where it ends, and a stop string would cut it mid-way "
+                                "(with tool_choice \"auto\" and no response_format, stop ends a text answer)",
+                           "stop")
         healed = [llm.heal(ids, params, text) for ids, text in zip(prompts, is_text, strict=True)]
         prompts = [ids for ids, _, _ in healed]
         longest = max(len(p) for p in prompts)
@@ -134,7 +148,7 @@ class Routes:
         include_canvas = bool(body.stream_options and body.stream_options.include_canvas)
         return EngineRequest(prompts, params, body.n, stop, include_canvas and body.stream,
                              given_back=[text for _, text, _ in healed], first_tokens=[ids for _, _, ids in healed],
-                             suffixes=suffixes, plan=plan)
+                             suffixes=suffixes, plan=plan, grammar=grammar)
 
     @staticmethod
     def _plan_budget(route: ModelRoute, params, prompt_len: int, suffix_len: int):
@@ -172,6 +186,16 @@ class Routes:
     async def completions(self, body: CompletionRequest, request: Request):
         route = self.route(body, request)
         await self._ready_for_budget(route, body)
+        engine_request, echo = await self.off_loop(self._prepare_completion, route, body)
+        return await self._respond(route, request, engine_request, body, chat=False,
+                                   prefixes=[echo[i // body.n] for i in range(engine_request.num_rows)])
+
+    async def off_loop(self, fn: Callable, *args):
+        """`fn(*args)` in a worker thread (`workers`)."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+
+    def _prepare_completion(self, route: ModelRoute, body: CompletionRequest) -> tuple[EngineRequest, list[str]]:
+        """A completion body's engine request, and per prompt the text `echo` sends first."""
         suffix = None
         if body.suffix:  # infilling: the completion is what goes between prompt and suffix
             try:
@@ -186,13 +210,16 @@ class Routes:
         tokenizer = route.llm.tokenizer
         echo = [(p if isinstance(p, str) else tokenizer.decode(ids) if tokenizer else "") if body.echo else ""
                 for p, ids in zip(items, prompts, strict=True)]
-        engine_request = self._prepare(route, body, prompts, [isinstance(p, str) for p in items], 16, suffix)
-        return await self._respond(route, request, engine_request, body, chat=False,
-                                   prefixes=[echo[i // body.n] for i in range(engine_request.num_rows)])
+        return self._prepare(route, body, prompts, [isinstance(p, str) for p in items], 16, suffix), echo
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+    async def chat_request(self, body: ChatCompletionRequest, request: Request) -> tuple[ModelRoute, EngineRequest]:
+        """A chat body's model and its engine request, prompt rendered and everything checked (the chat
+        endpoint's, and the Responses API's once it has made its input a chat body: server/responses.py)."""
         route = self.route(body, request)
         await self._ready_for_budget(route, body)
+        return route, await self.off_loop(self._prepare_chat, route, body)
+
+    def _prepare_chat(self, route: ModelRoute, body: ChatCompletionRequest) -> EngineRequest:
         try:
             template = (route.llm.tokenizer.chat_template if route.llm.tokenizer else None) or ""
             messages, tools = prompt_messages([m.prompt_dict() for m in body.messages], body.tool_dicts(), template)
@@ -202,13 +229,17 @@ class Routes:
         except Exception as e:  # a template error is the request's fault (its messages), not the server's
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
         # A chat prompt ends with the template's own text: taken as given (as `kstep generate --chat`).
-        engine_request = self._prepare(route, body, [prompt], [False], self.default_max_tokens)
+        return self._prepare(route, body, [prompt], [False], self.default_max_tokens)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        route, engine_request = await self.chat_request(body, request)
         return await self._respond(route, request, engine_request, body, chat=True,
                                    prefixes=[""] * engine_request.num_rows,
                                    calls_tools=bool(body.tools) and body.tool_choice_name() != "none")
 
-    async def _respond(self, route: ModelRoute, request: Request, engine_request: EngineRequest, body: SamplingFields,
-                       chat: bool, prefixes: list[str], calls_tools: bool = False):
+    def submit(self, route: ModelRoute, request: Request, engine_request: EngineRequest, stream: Stream) -> asyncio.Queue:
+        """Queue a prepared request on its model's engine; `stream` watches the client from now on
+        (its disconnect aborts the request). Returns the queue its engine outputs arrive on."""
         try:
             queue = route.engine.submit(engine_request)
         except QueueFull as e:
@@ -217,9 +248,15 @@ class Routes:
             raise APIError(503, str(e), code="server_shutdown", kind="server_error") from None
         except ModelDown:  # went down while this request was being prepared
             raise self._down(route) from None
-        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        stream = Stream(response_id, route.name, chat, engine_request, prefixes, calls_tools)
         stream.watch(request, queue, route.engine)
+        return queue
+
+    async def _respond(self, route: ModelRoute, request: Request, engine_request: EngineRequest, body: SamplingFields,
+                       chat: bool, prefixes: list[str], calls_tools: bool = False):
+        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = Stream(response_id, route.name, chat, engine_request, prefixes, calls_tools, include_usage)
+        queue = self.submit(route, request, engine_request, stream)
         if body.stream:
             return StreamingResponse(stream.events(queue, route.engine, route.metrics), media_type="text/event-stream")
         return await stream.collect(queue, route.metrics)

@@ -36,8 +36,11 @@ class Stream:
     """One response: turns a request's engine outputs into OpenAI JSON or SSE chunks."""
 
     def __init__(self, response_id: str, model: str, chat: bool, engine_request: EngineRequest, prefixes: list[str],
-                 calls_tools: bool = False):
+                 calls_tools: bool = False, include_usage: bool = False):
         self.id, self.model, self.chat, self.request = response_id, model, chat, engine_request
+        # OpenAI's stream_options.include_usage: "usage": null on every chunk, then one more chunk with no
+        # choices and the usage; without it a stream carries no usage
+        self.include_usage = include_usage
         self.calls_tools = calls_tools  # a chat reply may be tool calls (server/tools.py): parsed, not sent as text
         self.sent = [""] * engine_request.num_rows  # a stream's content sent so far, per choice
         self.created = int(time.time())
@@ -143,7 +146,7 @@ class Stream:
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices}
-        if usage is not None:
+        if self.include_usage:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
@@ -180,7 +183,9 @@ class Stream:
                 if out.is_finished:
                     is_done = True
                     self._observe_finish(metrics, out)
-                    yield self._chunk(choices, self._usage(out))
+                    yield self._chunk(choices)
+                    if self.include_usage:
+                        yield self._chunk([], self._usage(out))
                     break
                 if choices:
                     yield self._chunk(choices)

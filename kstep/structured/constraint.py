@@ -75,10 +75,16 @@ class Constraint:
         owed = count.tolist() if count is not None else [0] * B
         live = rows.tolist() if rows is not None else [True] * B
         for b, row in enumerate(self.rows):
+            if live[b] and row.is_free:  # released (matcher.py): what the policy chose, as without a grammar
+                decided[b] = want[b]
+                continue
             if not live[b] or row.num_committed not in idx[b]:
                 continue
             c, taken, model_taken = idx[b].index(row.num_committed), 0, 0
             while c < T and blk[b][c] == self.mask_id:
+                if row.is_free:  # released by the walk's last token: the rest as the policy chose
+                    decided[b][c:] = [w and t == self.mask_id for w, t in zip(want[b][c:], blk[b][c:])]
+                    break
                 room = self.max_tokens - idx[b][c]
                 forced = row.forced() if room > 0 or row.is_closed else None  # a closed row: stop tokens
                 if forced is not None and row.admit(forced, room):
@@ -140,6 +146,9 @@ class Constraint:
         Returns the block as edited."""
         out, new, idx, edit = block.tolist(), tokens.tolist(), index.tolist(), edits.tolist()
         for b in range(len(self.rows)):
+            if self.rows[b].is_free:  # released: every edit stands, as without a grammar
+                out[b] = [n if e and o != self.mask_id else o for o, n, e in zip(out[b], new[b], edit[b])]
+                continue
             for c in [c for c, e in enumerate(edit[b]) if e and out[b][c] != self.mask_id]:
                 row, end = self.rows[b], self.rows[b].num_committed
                 if idx[b][c] >= end or new[b][c] == out[b][c]:
@@ -157,10 +166,11 @@ class Constraint:
         tokens at completion indices `index` (ascending from the frontier), each the grammar's forced
         token or `choose(row, column, allowed)` among the tokens allowed there, as `step` would
         admit them (a refused one becomes the known completion's token). The rows' matchers do not
-        move: `take` commits a walked canvas."""
+        move: `take` commits a walked canvas. A released row is not walked (None: the decoder's own
+        canvas, as without a grammar)."""
         walked: list[list[int] | None] = []
         for b, row in enumerate(self.rows):
-            if not rows[b]:
+            if not rows[b] or row.is_free:
                 walked.append(None)
                 continue
             trial, tokens = row.copy(), []

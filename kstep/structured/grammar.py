@@ -1,5 +1,10 @@
 """A model's grammar engine: llguidance (guidance-ai/llguidance), its token tables built once per
-model from the checkpoint's tokenizer.json, and each request's spec compiled once and cached.
+model from the checkpoint's tokenizer.json, and each request's spec compiled once: its grammar
+text, checked against both token tables, and the completion the search finds from its start
+(search.py), or the reason it is refused. Both outcomes are cached per spec (a refused spec sent again
+costs nothing), and a spec that several requests bring at once is compiled once: the others wait for
+it. A compile may take up to a search's bound (search.py), so a server runs it in a worker thread,
+never on its event loop (server/routes.py); llguidance drops the GIL while it builds a grammar.
 
 Why llguidance (measured in docs/benchmarks.md, `kstep bench structured --engines`): one wheel with
 no dependencies (xgrammar pulls transformers, triton and a TVM runtime); it compiles a real-world
@@ -9,34 +14,34 @@ cannot enforce instead of approximating them; its masks (30 us median there, 3.5
 slower than xgrammar's but stay under 6% of a 0.5B model's CPU decode step.
 
 Two token tables per model: the model's own (the masks a sampler applies) and one of the 256 bytes
-(matcher.py's search for the shortest completion walks bytes, whose masks are 257 bits wide).
-Compilation is bounded by llguidance's fuel limits (a pathological regex or schema is refused with
-its error, never a stuck slot), and a spec the engine refuses is a ValueError naming the request field.
-A JSON schema is first rewritten into an equal one where JSON Schema allows it (schema.py)."""
+(the completion search walks bytes, whose masks are 257 bits wide). Compilation is bounded by
+llguidance's fuel limits (a pathological regex or schema is refused with its error, never a stuck
+slot). A JSON schema, and each tool's parameters, are first rewritten into equal ones where JSON
+Schema allows it (schema.py); tool calls are built by tool_grammar.py."""
+import functools
 import json
-import re
+import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import llguidance
 
-from kstep.structured.examples import example, schema_hints
-from kstep.structured.schema import enforceable, without_format
+from kstep.structured.examples import FORMAT_EXAMPLES, example, schema_hints
+from kstep.structured.json_keys import JsonKeys
+from kstep.structured.schema import JSON_LAYOUT, prepare
+from kstep.structured.search import MAX_CLOSING_BYTES, closing_bytes, tokens_after
 from kstep.structured.spec import StructuredSpec
+from kstep.structured.tool_grammar import tool_grammar
 
-KIND_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
-CACHE_SIZE = 256           # compiled grammars kept per model
+KIND_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar", "tools": "tools"}
+CACHE_SIZE = 256           # compiled (or refused) specs kept per model
 # llguidance's defaults, stated: lexer fuel bounds a compile (~50k units/ms: ~20 ms) and a mask (~14 ms)
 PARSER_LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                                           max_grammar_size=500_000)
-MAX_REWRITES = 8  # unknown formats dropped from one schema, at most
-UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 BYTE_EOS = 256             # the byte table's end-of-sequence token
-# JSON as json.dumps writes it, no other whitespace: the layout is forced text (no pass spent on it,
-# none wasted on runs of blanks), the values are the model's; a schema's "x-guidance" may change it
-JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
 class _Bytes:
@@ -49,16 +54,36 @@ class _Bytes:
         return list(text if isinstance(text, bytes) else text.encode())
 
 
+@functools.cache
+def byte_table() -> llguidance.LLTokenizer:
+    """The byte table (one per process: it depends on no model)."""
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
+
+
+@functools.cache
+def known_formats() -> frozenset[str]:
+    """The JSON Schema formats this llguidance asserts (the others are annotations: schema.py)."""
+    def known(name: str) -> bool:
+        text = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": name})
+        return not llguidance.LLMatcher(byte_table(), text, log_level=0).is_error()
+    return frozenset(name for name in FORMAT_EXAMPLES if known(name))
+
+
 @dataclass(slots=True)
 class Grammar:
     """A compiled spec for one model: llguidance's grammar text, checked against both token tables.
-    `compile_seconds` is reported once (`take_compile_seconds`: the first request that uses it)."""
-    spec: StructuredSpec
+    `start`: a completion from its start (bytes, and their tokens then the stop token), found once;
+    `trigger`: the opening a free-text answer beside tool calls must not start with (matcher.py);
+    `tracks_keys`: its JSON objects repeat no key (json_keys.py). `compile_seconds` is reported once
+    (`take_compile_seconds`: the first request that uses it)."""
     text: str
     tokens: llguidance.LLTokenizer
     bytes: llguidance.LLTokenizer
+    start: tuple[bytes, list[int]]
     compile_seconds: float
     hints: tuple[bytes, ...] = ()  # texts its free text must hold, for the completion search (examples.py)
+    trigger: bytes | None = None
+    tracks_keys: bool = False
     is_reported: bool = False
 
     def take_compile_seconds(self) -> float | None:
@@ -72,43 +97,93 @@ class Grammar:
         return llguidance.LLMatcher(table, self.text, log_level=0, limits=PARSER_LIMITS)
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a spec cannot be kept (cached like a grammar: the same spec is refused at once)."""
+    reason: str
+
+
 class GrammarCompiler:
-    """One model's tables and its cache of compiled grammars (keyed by spec: equal schemas share one)."""
+    """One model's token table and its cache of compiled (or refused) specs, safe to use from several
+    threads (module note)."""
 
     def __init__(self, tokenizer_json: Path, vocab_size: int, stop_ids: list[int]):
         self.tokens = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size, eos_token=list(stop_ids))
-        self.bytes = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
-        self.cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self.bytes, self.stop_token = byte_table(), stop_ids[0]
+        self.cache: OrderedDict[tuple[str, str], Grammar | Refusal] = OrderedDict()
+        self._pending: dict[tuple[str, str], Future] = {}
+        self._lock = threading.Lock()
 
     def compile(self, spec: StructuredSpec) -> Grammar:
-        """The grammar of `spec` (cached); a ValueError naming spec.field when the engine refuses it."""
+        """The grammar of `spec` (cached); a ValueError naming spec.field when it is refused."""
         key = (spec.kind, spec.value)
-        if key in self.cache:
-            self.cache.move_to_end(key)
-            return self.cache[key]
-        start = time.perf_counter()
-        schema = enforceable(json.loads(spec.value)) if spec.kind == "json" else None
-        for _ in range(MAX_REWRITES):
+        with self._lock:
+            found = self.cache.get(key)
+            if found is not None:
+                self.cache.move_to_end(key)
+            elif (pending := self._pending.get(key)) is None:
+                pending = self._pending[key] = Future()
+                is_mine = True
+            else:
+                is_mine = False
+        if found is None and not is_mine:
+            found = pending.result()  # another request is compiling it: its outcome is this one's
+        elif found is None:
             try:
-                text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT) \
-                    if schema is not None else llguidance.grammar_from(spec.kind, spec.value)
-            except ValueError as e:
-                raise ValueError(f"{spec.field}: {e}") from None
-            error = next((m.get_error() for m in (llguidance.LLMatcher(t, text, log_level=0, limits=PARSER_LIMITS)
-                                                  for t in (self.tokens, self.bytes)) if m.is_error()), None)
-            unknown = UNKNOWN_FORMAT.search(error or "")
-            if unknown is None or schema is None:
-                break
-            schema = without_format(schema, unknown.group(1))  # an annotation it cannot assert (schema.py)
+                found = self._build(spec)
+            except BaseException as e:  # an internal failure: the waiting requests fail with it, nothing is cached
+                with self._lock:
+                    self._pending.pop(key)
+                pending.set_exception(e)
+                raise
+            with self._lock:
+                self.cache[key] = found
+                self._pending.pop(key)
+                if len(self.cache) > CACHE_SIZE:
+                    self.cache.popitem(last=False)
+            pending.set_result(found)
+        if isinstance(found, Refusal):
+            raise ValueError(f"{spec.field}: {found.reason}")
+        return found
+
+    def _build(self, spec: StructuredSpec) -> Grammar | Refusal:
+        start = time.perf_counter()
+        what = KIND_NAMES[spec.kind]
+        try:
+            text, trigger, schemas = _grammar_text(spec)
+        except ValueError as e:
+            return Refusal(f"the {what} cannot be enforced: {e}")
+        error = next((m.get_error() for m in (llguidance.LLMatcher(t, text, log_level=0, limits=PARSER_LIMITS)
+                                              for t in (self.tokens, self.bytes)) if m.is_error()), None)
         if error is not None:
-            raise ValueError(f"{spec.field}: the {KIND_NAMES[spec.kind]} cannot be enforced: {_first_line(error)}")
-        hints = schema_hints(schema) if schema is not None else \
+            return Refusal(f"the {what} cannot be enforced: {_first_line(error)}")
+        hints = [h for schema in schemas for h in schema_hints(schema)] if schemas else \
             [found.encode()] if spec.kind == "regex" and (found := example(spec.value)) else []
-        grammar = Grammar(spec, text, self.tokens, self.bytes, time.perf_counter() - start, tuple(hints))
-        self.cache[key] = grammar
-        if len(self.cache) > CACHE_SIZE:
-            self.cache.popitem(last=False)
+        tracks_keys = spec.kind in ("json", "tools")
+        grammar = Grammar(text, self.tokens, self.bytes, (b"", []), 0.0, tuple(dict.fromkeys(hints)), trigger,
+                          tracks_keys)
+        found = closing_bytes(grammar.matcher(self.bytes), grammar.hints, JsonKeys() if tracks_keys else None)
+        if found is None:
+            return Refusal(f"no output satisfies the {what}, or none the completion search reaches (it stops "
+                           f"at {MAX_CLOSING_BYTES} bytes): it cannot be kept")
+        grammar.start = (found, tokens_after(self.tokens, grammar.matcher(self.tokens), found, self.stop_token))
+        grammar.compile_seconds = time.perf_counter() - start
         return grammar
+
+
+def _grammar_text(spec: StructuredSpec) -> tuple[str, bytes | None, list]:
+    """llguidance's grammar for a spec, its trigger (tool_grammar.py) and the JSON schemas in it;
+    a ValueError when the spec is malformed."""
+    if spec.kind == "json":
+        schema = prepare(json.loads(spec.value), known_formats())
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT), None, [schema]
+    if spec.kind == "tools":
+        lark, trigger, schemas = tool_grammar(json.loads(spec.value), lambda s: prepare(s, known_formats()))
+        return llguidance.grammar_from("lark", lark), trigger, schemas
+    if spec.kind == "choice":  # one terminal (a lexer automaton), not thousands of parser alternatives
+        options = " | ".join(json.dumps(option) for option in json.loads(spec.value))
+        return llguidance.grammar_from("lark", f"start: CHOICE\nCHOICE: {options}"), None, []
+    return llguidance.grammar_from(spec.kind, spec.value), None, []
 
 
 def _first_line(error: str) -> str:

@@ -5,12 +5,17 @@ it refuses):
 - a `oneOf` whose branches declare pairwise disjoint `type`s becomes `anyOf`: a value has one JSON
   type, so at most one branch can hold ("integer" counts as a "number");
 - a `format` the engine does not know is dropped: JSON Schema makes `format` an annotation unless a
-  validator is told to assert it, and an unknown format cannot be asserted (grammar.py removes the
-  ones llguidance names, one at a time).
+  validator is told to assert it, and an unknown format cannot be asserted (grammar.py asks
+  llguidance which formats it knows);
+- the schema `true` is `{}`: any JSON value.
+`prepare` does all of it, for a response_format's schema and for each tool's parameters alike.
 Plain Python."""
 from typing import Any
 
 JSON_TYPES = ("null", "boolean", "object", "array", "number", "string")
+# JSON as json.dumps writes it, no other whitespace: the layout is forced text (no pass spent on it,
+# none wasted on runs of blanks), the values are the model's; a schema's "x-guidance" may change it
+JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
 def _types(branch: Any, root: dict) -> set[str] | None:
@@ -56,11 +61,16 @@ def enforceable(schema: Any, root: dict | None = None) -> Any:
     return out
 
 
-def without_format(schema: Any, name: str) -> Any:
-    """`schema` with every `"format": name` removed (an unknown format is an annotation)."""
+def without_unknown_formats(schema: Any, known: frozenset[str]) -> Any:
+    """`schema` with every `"format"` not in `known` removed (an unknown format is an annotation)."""
     if isinstance(schema, list):
-        return [without_format(item, name) for item in schema]
+        return [without_unknown_formats(item, known) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    return {key: without_format(value, name) for key, value in schema.items()
-            if not (key == "format" and value == name)}
+    return {key: without_unknown_formats(value, known) for key, value in schema.items()
+            if not (key == "format" and isinstance(value, str) and value not in known)}
+
+
+def prepare(schema: Any, known_formats: frozenset[str]) -> Any:
+    """The schema the engine compiles in place of `schema` (module note)."""
+    return without_unknown_formats(enforceable({} if schema is True else schema), known_formats)

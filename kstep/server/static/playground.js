@@ -119,7 +119,7 @@ function settings() {
 
 function requestBody(model, s) {
   const body = {model: model.id, prompt: s.prompt, max_tokens: s.maxTokens, temperature: s.temperature,
-                stream: true, stream_options: {include_canvas: true}};
+                stream: true, stream_options: {include_canvas: true, include_usage: true}};
   if (s.seed !== null) body.seed = s.seed;  // a random-start model's canvases are random without one
   if (model.kind === "uniform-diffusion") {  // random-start refinement (DiffusionGemma): its own knobs
     if (s.decoding === "steps") {  // that many passes per canvas, never stopping early
@@ -209,12 +209,12 @@ function schedule(pane, run, index, speed) {
 }
 
 function absorb(pane, run, chunk, speed) {
+  if (chunk.usage) run.usage = chunk.usage;  // include_usage: the last chunk, which has no choices
   const choice = chunk.choices?.[0];
   if (!choice) return;
   const t = performance.now() - run.start;
   run.text += choice.text || "";
   if (choice.text && run.firstText === null) run.firstText = t;
-  if (chunk.usage) run.usage = chunk.usage;
   run.states.push({t, step: choice.step, tokens: choice.tokens, text: run.text, pieces: choice.canvas_pieces ?? null,
                    edits: choice.canvas_edits ?? []});
   schedule(pane, run, run.states.length - 1, speed);
