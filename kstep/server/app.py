@@ -1,5 +1,5 @@
-"""FastAPI routes of `kstep serve`: /v1/models, /v1/completions, /v1/chat/completions (JSON or
-server-sent events), /health (health.py), /metrics, and the playground page at /. Validation
+"""FastAPI routes of `kstep serve`: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses
+(JSON or server-sent events), /health (health.py), /metrics, and the playground page at /. Validation
 happens at the edge (routes.py; errors.py says no): params are resolved for the served model
 before a request reaches the engine.
 
@@ -28,6 +28,8 @@ from kstep.server.health import health_response
 from kstep.server.metrics import Metrics
 from kstep.server.chat_protocol import ChatCompletionRequest
 from kstep.server.protocol import CompletionRequest
+from kstep.server.responses import create_response
+from kstep.server.responses_protocol import ResponsesRequest
 from kstep.server.routes import ModelRoute, Routes
 
 
@@ -131,5 +133,9 @@ def build_app(models: list[ServedModel], config: ServeConfig) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await routes.chat_completions(body, request)
+
+    @app.post("/v1/responses", dependencies=[Depends(check_key)])
+    async def responses(body: ResponsesRequest, request: Request):  # on the chat path (server/responses.py)
+        return await create_response(routes, body, request)
 
     return app
