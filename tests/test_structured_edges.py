@@ -28,6 +28,8 @@ RECURSIVE_PARAMETERS = {"type": "object", "properties": {
     "required": ["name", "child"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": PYDANTIC_PARAMETERS}},
          {"type": "function", "function": {"name": "tree", "parameters": RECURSIVE_PARAMETERS}}]
+FLAT_TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
 MESSAGES = [{"role": "user", "content": "The weather in Paris?"}]
 
 
@@ -71,7 +73,7 @@ def test_a_text_answer_beside_tools_is_cut_as_free_text(server, model):
     """tool_choice "auto": a text answer is free text once it cannot open a call; at max_tokens it is
     cut ("length", every token the model's: on an AR model, exactly the text it writes with
     tool_choice "none"; a diffusion model decides its first token first, to know it is text)."""
-    fields = dict(model=model, tools=TOOLS, max_tokens=12, seed=1)
+    fields = dict(model=model, tools=FLAT_TOOLS, max_tokens=12, seed=1)
     auto = chat(server, tool_choice="auto", **fields).json()
     assert "tool_calls" not in auto["choices"][0]["message"] and auto["choices"][0]["message"]["content"]
     assert auto["choices"][0]["finish_reason"] == "length" and auto["usage"]["completion_tokens"] == 12
@@ -100,12 +102,12 @@ def test_json_keys_come_in_the_schema_s_order(server, model):
 
 def test_stop_where_a_grammar_decides_the_end_is_a_400_naming_it(server):
     schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
-    for fields in ({"response_format": schema}, {"tools": TOOLS, "tool_choice": "required"},
-                   {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "tree"}}},
+    for fields in ({"response_format": schema}, {"tools": FLAT_TOOLS, "tool_choice": "required"},
+                   {"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}},
                    {"structured_outputs": {"regex": "[a-z]+"}}):
         r = chat(server, model="ar", max_tokens=128, stop=["!"], **fields)
         assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.json()
-    ok = chat(server, model="ar", max_tokens=128, tools=TOOLS, tool_choice="required")  # and without stop, calls
+    ok = chat(server, model="ar", max_tokens=128, tools=FLAT_TOOLS, tool_choice="required")  # and without stop, calls
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -156,9 +158,9 @@ def test_an_unsatisfiable_spec_is_named_not_blamed_on_max_tokens(server, fields,
 
 def test_earlier_calls_whose_arguments_are_not_json_are_a_400_naming_them(server):
     history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "tree", "arguments": "{name: x}"}}]},
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{a: 1}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
-    r = httpx.post(server + "/v1/chat/completions", json={"model": "ar", "messages": history, "tools": TOOLS},
+    r = httpx.post(server + "/v1/chat/completions", json={"model": "ar", "messages": history, "tools": FLAT_TOOLS},
                    timeout=60)
     error = r.json()["error"]
     assert r.status_code == 400 and "messages[1].tool_calls[0].function.arguments is not JSON" in error["message"]

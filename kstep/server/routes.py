@@ -27,7 +27,8 @@ from kstep.server.streaming import Stream
 from kstep.server.tools import prompt_messages
 
 log = logging.getLogger("kstep.server")
-PREPARE_WORKERS = 2
+PREPARE_WORKERS = 2  # threads preparing requests (prompts, checks)
+COMPILE_WORKERS = 1  # threads compiling new grammars: a hostile spec costs at most one core for a search's bound
 
 
 @dataclass(slots=True)
@@ -49,12 +50,14 @@ class Routes:
     A model going down is told to `on_model_down` (its name), and once none is up, to
     `on_no_live_model` (kstep serve: exit non-zero; by default the process is asked to terminate)."""
 
-    def __init__(self, default_max_tokens: int, routes: list[ModelRoute], num_workers: int = PREPARE_WORKERS):
+    def __init__(self, default_max_tokens: int, routes: list[ModelRoute]):
         self.default_max_tokens = default_max_tokens
-        # Preparing a request (rendering and tokenizing its prompt, compiling its grammar: up to a
-        # completion search's bound) runs here, never on the event loop: one request's preparation
-        # never stalls another's stream. Bounded: at most this many at once, the rest wait their turn.
-        self.workers = ThreadPoolExecutor(num_workers, thread_name_prefix="kstep-prepare")
+        # Preparing a request (rendering and tokenizing its prompt, checking it) runs in `workers`, and
+        # compiling a new grammar (up to a completion search's bound: kstep/structured/search.py) in
+        # `compilers` first, never on the event loop: one request's preparation never stalls another's
+        # stream, and new grammars wait for each other, not for the requests that bring none.
+        self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="kstep-prepare")
+        self.compilers = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="kstep-compile")
         self.by_name = {r.name: r for r in routes}
         self.on_model_down: Callable[[str], None] = lambda name: None
         self.on_no_live_model: Callable[[], None] = _terminate
@@ -186,13 +189,24 @@ class Routes:
     async def completions(self, body: CompletionRequest, request: Request):
         route = self.route(body, request)
         await self._ready_for_budget(route, body)
-        engine_request, echo = await self.off_loop(self._prepare_completion, route, body)
+        engine_request, echo = await self.off_loop(route, body, self._prepare_completion)
         return await self._respond(route, request, engine_request, body, chat=False,
                                    prefixes=[echo[i // body.n] for i in range(engine_request.num_rows)])
 
-    async def off_loop(self, fn: Callable, *args):
-        """`fn(*args)` in a worker thread (`workers`)."""
-        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+    async def off_loop(self, route: ModelRoute, body: SamplingFields, prepare: Callable):
+        """`prepare(route, body)` in a worker thread, once the body's grammar is compiled (or refused:
+        `prepare` then finds the refusal cached and says why)."""
+        loop = asyncio.get_running_loop()
+        try:
+            spec = body.structured()
+        except ValueError:
+            spec = None  # `prepare` refuses the body, naming the field
+        if spec is not None:
+            try:
+                await loop.run_in_executor(self.compilers, route.llm.grammar.compile, spec)
+            except ValueError:
+                pass
+        return await loop.run_in_executor(self.workers, prepare, route, body)
 
     def _prepare_completion(self, route: ModelRoute, body: CompletionRequest) -> tuple[EngineRequest, list[str]]:
         """A completion body's engine request, and per prompt the text `echo` sends first."""
@@ -217,7 +231,7 @@ class Routes:
         endpoint's, and the Responses API's once it has made its input a chat body: server/responses.py)."""
         route = self.route(body, request)
         await self._ready_for_budget(route, body)
-        return route, await self.off_loop(self._prepare_chat, route, body)
+        return route, await self.off_loop(route, body, self._prepare_chat)
 
     def _prepare_chat(self, route: ModelRoute, body: ChatCompletionRequest) -> EngineRequest:
         try:
