@@ -4,7 +4,8 @@ text, checked against both token tables, and the completion the search finds fro
 (search.py), or the reason it is refused. Both outcomes are cached per spec (a refused spec sent again
 costs nothing), and a spec that several requests bring at once is compiled once: the others wait for
 it. A compile may take up to a search's bound (search.py), so a server runs it in a worker thread,
-never on its event loop (server/routes.py); llguidance drops the GIL while it builds a grammar.
+never on its event loop (server/routes.py); llguidance drops the GIL while it builds a grammar and
+while it computes forced text.
 
 Why llguidance (measured in docs/benchmarks.md, `kstep bench structured --engines`): one wheel with
 no dependencies (xgrammar pulls transformers, triton and a TVM runtime); it compiles a real-world
@@ -32,7 +33,7 @@ import llguidance
 from kstep.structured.examples import FORMAT_EXAMPLES, example, schema_hints
 from kstep.structured.json_keys import JsonKeys
 from kstep.structured.schema import JSON_LAYOUT, prepare
-from kstep.structured.search import MAX_CLOSING_BYTES, closing_bytes, tokens_after
+from kstep.structured.search import MAX_CLOSING_BYTES, MAX_SEARCH_STEPS, closing_bytes, tokens_after
 from kstep.structured.spec import StructuredSpec
 from kstep.structured.tool_grammar import tool_grammar
 
@@ -165,7 +166,7 @@ class GrammarCompiler:
         found = closing_bytes(grammar.matcher(self.bytes), grammar.hints, JsonKeys() if tracks_keys else None)
         if found is None:
             return Refusal(f"no output satisfies the {what}, or none the completion search reaches (it stops "
-                           f"at {MAX_CLOSING_BYTES} bytes): it cannot be kept")
+                           f"at {MAX_CLOSING_BYTES} bytes or {MAX_SEARCH_STEPS} steps): it cannot be kept")
         grammar.start = (found, tokens_after(self.tokens, grammar.matcher(self.tokens), found, self.stop_token))
         grammar.compile_seconds = time.perf_counter() - start
         return grammar
