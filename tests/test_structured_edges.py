@@ -17,7 +17,8 @@ MODELS = ("ar", "block", "masked")
 UNIT = {"type": "string", "enum": ["C", "F"]}
 # what pydantic writes for `class Weather(BaseModel): city: City; unit: Unit; note: str | None = None`
 PYDANTIC_PARAMETERS = {
-    "$defs": {"City": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+    "$defs": {"City": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12,
+                                                                 "format": "city-name"}},  # unknown: an annotation
                        "required": ["name"], "additionalProperties": False},
               "Unit": UNIT},
     "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}, "unit": {"$ref": "#/$defs/Unit"},
