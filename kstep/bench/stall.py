@@ -58,12 +58,14 @@ async def _run(url: str, model: str, streams: int, hostile: int, max_tokens: int
             "gap_p99_ms": 1000 * flat[min(len(flat) - 1, int(0.99 * len(flat)))], "gap_max_ms": 1000 * flat[-1]}
 
 
-def run_stall(url: str, model: str, streams: int, hostile: int, max_tokens: int, repeats: int) -> list[dict]:
-    """Alone, then with `hostile` clients, `repeats` times interleaved."""
+def run_stall(url: str, model: str, streams: int, hostile: int, max_tokens: int, repeats: int,
+              progress=print) -> list[dict]:
+    """Alone, then with `hostile` clients, `repeats` times interleaved (each row to `progress` as it ends)."""
     rows = []
     for _ in range(repeats):
         for h in (0, hostile):
             rows.append(asyncio.run(_run(url, model, streams, h, max_tokens)))
+            progress(json.dumps(rows[-1]))
     return rows
 
 
@@ -85,7 +87,6 @@ def _main(args) -> int:
     with (nullcontext((args.url, None)) if args.url else running_server(args.model, "--served-model-name", "bench")) \
             as (url, _):
         model = args.model if args.url else "bench"
-        rows = run_stall(url, model, args.streams, args.hostile, args.max_tokens, args.repeats)
-    for row in rows:
-        print(json.dumps(row))
+        run_stall(url, model, args.streams, args.hostile, args.max_tokens, args.repeats,
+                  lambda line: print(line, flush=True))
     return 0
