@@ -32,6 +32,7 @@ import torch
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
 from kstep.decoding.sampling import OutputRules
 from kstep.decoding.entropy_bound import accept, entropy, is_stable, process_logits, temperature
+from kstep.decoding.walk_candidates import WalkCandidates
 from kstep.models.diffusion_gemma_layers import DECODER, ENCODER
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
@@ -133,9 +134,10 @@ class UniformDiffusionDecoder(Decoder):
         sampled = torch.multinomial(probs.view(-1, V), 1, generator=self.generator).view(self.canvas_shape)
         argmax = processed.argmax(-1)  # (B, L)
         entropies = entropy(processed)  # (B, L)
-        canvas = torch.where(accept(entropies, p.entropy_bound), sampled, self._random_tokens())
+        accepted = accept(entropies, p.entropy_bound)  # (B, L)
+        canvas = torch.where(accepted, sampled, self._random_tokens())
         if self.grammar is not None:
-            argmax, canvas = self._keep_grammar(processed, probs, accept(entropies, p.entropy_bound), argmax, canvas)
+            argmax, canvas = self._keep_grammar(processed, probs, accepted, argmax, canvas)
         done = self.done[:, None]  # rows that stopped keep their canvas
         argmax, canvas = torch.where(done, self.argmax, argmax), torch.where(done, self.canvas, canvas)
         stable, self.history = is_stable(self.history, argmax)
@@ -151,26 +153,22 @@ class UniformDiffusionDecoder(Decoder):
         """The argmax canvas and the next input canvas under a structured output's grammar, each walked
         from the row's frontier (Constraint.walk): the argmax among the tokens allowed there; the kept
         samples drawn among them, and the renoised positions' random tokens too (nothing leaves the
-        grammar, not even noise). The random draws follow the walk, not transformers' order. A row
-        the grammar does not walk (released, or done) keeps the unconstrained `free_argmax` / `free_canvas`."""
+        grammar, not even noise). The candidates come to the host once per pass (walk_candidates.py);
+        the random draws follow the walk, not transformers' order. A row the grammar does not walk
+        (released, or done) keeps the unconstrained `free_argmax` / `free_canvas`."""
         live = (~(self.done | self.row_finished)).tolist()
         index = list(range(self.canvas_idx * self.canvas_length, (self.canvas_idx + 1) * self.canvas_length))
-        allowed_here = lambda allowed: allowed.to(self.device)  # noqa: E731
+        candidates = WalkCandidates(processed, probs, accepted, self.generator)
+        return (self._walked(self.grammar.walk(index, candidates.best, live), free_argmax),
+                self._walked(self.grammar.walk(index, candidates.drawn, live), free_canvas))
 
-        def best(b: int, c: int, allowed: torch.Tensor) -> int:
-            return int(processed[b, c].masked_fill(~allowed_here(allowed), float("-inf")).argmax())
-
-        def drawn(b: int, c: int, allowed: torch.Tensor) -> int:
-            weights = probs[b, c] * allowed_here(allowed) if bool(accepted[b, c]) else allowed_here(allowed).float()
-            if not bool(weights.sum() > 0):  # the filters left no allowed token any mass
-                weights = allowed_here(allowed).float()
-            return int(torch.multinomial(weights, 1, generator=self.generator))
-
-        def canvas(walked: list, fallback: torch.Tensor) -> torch.Tensor:
-            return torch.stack([torch.tensor(t, device=self.device) if t is not None else fallback[b]
-                                for b, t in enumerate(walked)])
-        return (canvas(self.grammar.walk(index, best, live), free_argmax),
-                canvas(self.grammar.walk(index, drawn, live), free_canvas))
+    def _walked(self, walked: list[list[int] | None], free: torch.Tensor) -> torch.Tensor:
+        """(B, L): the walked rows' tokens, the others' from `free` (B, L)."""
+        if all(tokens is None for tokens in walked):
+            return free
+        is_walked = torch.tensor([tokens is not None for tokens in walked], device=self.device)
+        tokens = torch.tensor([tokens or [0] * self.canvas_length for tokens in walked], device=self.device)
+        return torch.where(is_walked[:, None], tokens, free)
 
     def _commit(self) -> None:
         """The argmax canvas is final; a stop token in it, or the last canvas, ends a row."""

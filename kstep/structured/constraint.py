@@ -8,7 +8,9 @@ called by every decoder at the places it already constrains and chooses:
 
 - `mask`: on the logits a sampler proposes from, the frontier's column of each row takes only the
   tokens the grammar allows there (its state is known: everything before it is decided). Called from
-  decoding/sampling.py's `constrain`, beside min_tokens and token healing.
+  decoding/sampling.py's `constrain`, beside min_tokens and token healing. One packed bitmask per
+  decoder batch and pass (token_mask.py): the rows' masks filled at once by llguidance's parallel
+  filler, moved to the logits' device once, applied to the B frontier columns only.
 - `step`: after the sampler proposed a candidate for each column and its policy chose some, the run
   from the frontier is walked in order. A position takes the grammar's forced token (one that no
   other text could replace: keys, braces, quotes; placed without the model choosing), else the
@@ -23,11 +25,15 @@ holds less than a known completion (its end-of-sequence token included): a const
 with "stop" and valid output whenever the search found a completion that fits at the start, and
 the request is refused at admission otherwise (llm.py)."""
 from collections.abc import Callable
+from functools import partial
 
+import numpy as np
 import torch
 
+from kstep.structured.canvas_walk import WalkTree
 from kstep.structured.grammar import Grammar
-from kstep.structured.matcher import RowMatcher
+from kstep.structured.matcher import RowMatcher, fill_masks
+from kstep.structured.token_mask import apply
 
 
 def _as_wide(allowed: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -45,6 +51,7 @@ class Constraint:
         # `mask_id`: what an undecided position holds in `step`'s blocks (an AR model has none: -1)
         self.grammar, self.max_tokens, self.mask_id = grammar, max_tokens, -1 if mask_id is None else mask_id
         self.rows = [RowMatcher(grammar, stop_ids, vocab_size) for _ in range(num_rows)]
+        self._trees: list[WalkTree | None] = [None] * num_rows  # each row's walks of its current canvas
         self.num_forced = 0      # tokens the grammar forced, placed without the model choosing them
         self.num_fallbacks = 0   # frontier candidates refused and replaced by the known completion's token
 
@@ -53,12 +60,26 @@ class Constraint:
         return [row.num_committed for row in self.rows]
 
     def mask(self, logits: torch.Tensor, output_index: torch.Tensor | int) -> torch.Tensor:
-        """Logits (B, T, V) of completion positions `output_index` (an int, or broadcastable to (B, T)),
-        with each row's frontier column limited to the tokens its grammar allows (module note)."""
-        allowed = _as_wide(torch.stack([row.allowed() for row in self.rows]), logits)  # (B, V)
-        frontier = torch.tensor(self.frontier(), device=logits.device)[:, None]  # (B, 1)
-        at_frontier = (torch.as_tensor(output_index, device=logits.device) == frontier).expand(logits.shape[:2])
-        return logits.masked_fill(at_frontier[..., None] & ~allowed[:, None, :], float("-inf"))
+        """Logits (B, T, V) of completion positions `output_index` (an int, or broadcastable to (B, T),
+        distinct along a row), with each row's frontier column limited to the tokens its grammar allows
+        (module note): the batch's packed masks (B, W), filled at once on the host and moved once, are
+        applied to the B frontier columns only, gathered and put back."""
+        B, T, _ = logits.shape
+        device, frontier = logits.device, self.frontier()
+        packed = torch.from_numpy(fill_masks(self.rows)).to(device)  # (B, W) int32
+        if isinstance(output_index, int):  # one index for every column: the rows it is the frontier of
+            hit = [f == output_index for f in frontier]
+            rows = None if all(hit) else torch.tensor(hit, device=device)
+            if T == 1:
+                return apply(logits[:, 0], packed, rows)[:, None]
+            return torch.stack([apply(logits[:, t], packed, rows) for t in range(T)], 1)
+        at_frontier = (torch.as_tensor(output_index, device=device) ==
+                       torch.tensor(frontier, device=device)[:, None]).expand(B, T)  # (B, T)
+        if T == 1:
+            return apply(logits[:, 0], packed, at_frontier[:, 0])[:, None]
+        column = at_frontier.to(torch.uint8).argmax(-1)  # (B,) the frontier's column (0: none, unmasked)
+        every_row = torch.arange(B, device=device)
+        return logits.index_put((every_row, column), apply(logits[every_row, column], packed, at_frontier.any(-1)))
 
     def step(self, block: torch.Tensor, candidates: torch.Tensor, chosen: torch.Tensor, index: torch.Tensor,
              count: torch.Tensor | None = None, rows: torch.Tensor | None = None,
@@ -160,37 +181,37 @@ class Constraint:
                     self.rows[b], out[b][c] = trial, new[b][c]
         return torch.tensor(out, dtype=block.dtype, device=block.device)
 
-    def walk(self, index: list[int], choose: Callable[[int, int, torch.Tensor], int],
+    def walk(self, index: list[int], choose: Callable[[int, int, np.ndarray], int | None],
              rows: list[bool]) -> list[list[int] | None]:
         """A canvas decided whole in one pass (a random-start sampler's): for each row in `rows`, its
         tokens at completion indices `index` (ascending from the frontier), each the grammar's forced
-        token or `choose(row, column, allowed)` among the tokens allowed there, as `step` would
-        admit them (a refused one becomes the known completion's token). The rows' matchers do not
-        move: `take` commits a walked canvas. A released row is not walked (None: the decoder's own
-        canvas, as without a grammar)."""
+        token or `choose(row, column, packed)` among the tokens allowed there (`packed`: the row's mask
+        there, token_mask.py; None: no choice), as `step` would admit them (a refused one, or none,
+        becomes the known completion's token). The rows' matchers do not move: `take` commits a walked
+        canvas; until then the states walked are kept (canvas_walk.py). A released row is not walked
+        (None: the decoder's own canvas, as without a grammar)."""
         walked: list[list[int] | None] = []
         for b, row in enumerate(self.rows):
             if not rows[b] or row.is_free:
                 walked.append(None)
                 continue
-            trial, tokens = row.copy(), []
-            for c, i in enumerate(index):
-                room = self.max_tokens - i
-                forced = trial.forced() if room > 0 or trial.is_closed else None
-                if forced is None or not trial.admit(forced, room):
-                    token = choose(b, c, trial.allowed())
-                    if not trial.admit(token, room):
-                        token = trial.fallback()
-                        if not trial.admit(token, room):
-                            raise RuntimeError("internal: a grammar's known completion did not fit its room")
-                    forced = token
-                tokens.append(forced)
-            walked.append(tokens)
+            tree = self._trees[b]
+            if tree is None or not tree.is_for(row, index[0]):
+                tree = self._trees[b] = WalkTree(row, index[0])
+            walked.append(tree.walk(index, self.max_tokens, partial(choose, b)))
         return walked
 
     def take(self, tokens: list[list[int] | None], index: list[int]) -> None:
-        """Commit walked canvases (`walk`'s tokens at the same indices; None: a row that takes none)."""
-        for row, row_tokens in zip(self.rows, tokens, strict=True):
+        """Commit walked canvases (`walk`'s tokens at the same indices; None: a row that takes none): a
+        row takes its walk's last state where it is kept, else admits them again."""
+        if len(tokens) != len(self.rows):
+            raise RuntimeError("internal: a walked canvas per row")
+        for b, row_tokens in enumerate(tokens):
+            tree, self._trees[b], row = self._trees[b], None, self.rows[b]
+            end = tree.end(row_tokens) if row_tokens and tree is not None and tree.is_for(row, index[0]) else None
+            if end is not None:
+                self.rows[b] = end
+                continue
             for token, i in zip(row_tokens or [], index):
                 if not row.admit(token, self.max_tokens - i):
                     raise RuntimeError("internal: a walked canvas was refused when committed")

@@ -19,11 +19,13 @@ repeat a key in one object is refused, and the completions found repeat none."""
 import copy
 import time
 
+import numpy as np
 import torch
 
 from kstep.structured.grammar import Grammar
 from kstep.structured.json_keys import JsonKeys
-from kstep.structured.search import bits, closing_bytes, completes, tokens_after
+from kstep.structured.search import closing_bytes, completes, tokens_after
+from kstep.structured.token_mask import allow, every, fill, fill_one, num_words, only, trim, unpack
 
 
 class RowMatcher:
@@ -37,11 +39,11 @@ class RowMatcher:
     def __init__(self, grammar: Grammar, stop_ids: list[int], vocab_size: int):
         self.tokens, self.bytes = grammar.matcher(grammar.tokens), grammar.matcher(grammar.bytes)
         self.table, self.stop_ids, self.vocab_size, self.hints = grammar.tokens, stop_ids, vocab_size, grammar.hints
-        self.stop_token = stop_ids[0]
+        self.stop_token, self.num_words = stop_ids[0], num_words(grammar.tokens.vocab_size)  # a packed mask's width
         self.num_committed, self.is_closed, self.is_free = 0, False, False
         self.trigger, self.prefix = grammar.trigger, b""  # while undecided: the opening it may still become
         self.keys = JsonKeys() if grammar.tracks_keys else None
-        self._allowed: torch.Tensor | None = None   # the current state's mask, until the next commit
+        self._allowed: np.ndarray | None = None     # the current state's packed mask, until the next commit
         self._forced: list[int] | None = None       # the current state's forced tokens, until the next commit
         self._token_bytes: dict[int, bytes] = {}
         self.counts = {"masks": 0, "mask_seconds": 0.0, "searches": 0, "search_seconds": 0.0}
@@ -76,23 +78,33 @@ class RowMatcher:
         """Positions the known completion takes, its end-of-sequence token included (None: none known)."""
         return None if self.closing is None else len(self.closing[1])
 
-    def allowed(self) -> torch.Tensor:
-        """(V,) bool: the tokens the grammar allows next (end-of-sequence once it accepts)."""
+    @property
+    def needs_mask(self) -> bool:
+        """Whether its next mask is llguidance's to compute: not known yet, and neither closed nor released."""
+        return self._allowed is None and not (self.is_free or self.is_closed)
+
+    def packed(self) -> np.ndarray:
+        """(W,) int32: the tokens the grammar allows next, packed (token_mask.py): end-of-sequence once it
+        accepts; a closed row only its stop token, a released row every token (`fill_masks`: a batch's)."""
         if self._allowed is None:
             start = time.perf_counter()
-            if self.is_free:
-                allowed = torch.ones(self.vocab_size, dtype=torch.bool)
-            elif self.is_closed:
-                allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
-                allowed[self.stop_token] = True
-            else:
-                allowed = torch.from_numpy(bits(self.tokens.compute_bitmask(), self.vocab_size).astype(bool))
-                if self.trigger is not None:  # ending as text is always allowed while undecided
-                    allowed[self.stop_ids] = True
-            self._allowed = allowed
-            self.counts["masks"] += 1
-            self.counts["mask_seconds"] += time.perf_counter() - start
+            words = every(self.vocab_size, self.num_words) if self.is_free else \
+                only([self.stop_token], self.num_words) if self.is_closed else fill_one(self.tokens, self.num_words)
+            self.take_mask(words, time.perf_counter() - start)
         return self._allowed
+
+    def take_mask(self, words: np.ndarray, seconds: float) -> None:
+        """Keep `words` (W,) int32, the current state's mask (`packed`'s, or llguidance's computed with
+        other rows' at once), as the row's; it may change them in place."""
+        if self.trigger is not None and not (self.is_free or self.is_closed):
+            allow(words, self.stop_ids)  # ending as text is always allowed while undecided
+        self._allowed = trim(words, self.vocab_size)
+        self.counts["masks"] += 1
+        self.counts["mask_seconds"] += seconds
+
+    def allowed(self) -> torch.Tensor:
+        """(V,) bool: `packed`, a byte per token (a walk's or a speculative verification's)."""
+        return torch.from_numpy(unpack(self.packed(), self.vocab_size))
 
     def forced(self) -> int | None:
         """The next token when the grammar allows only one text (placed without a pass), else None."""
@@ -229,3 +241,23 @@ class RowMatcher:
         self.counts["search_seconds"] += time.perf_counter() - start
         return found
 
+
+def fill_masks(rows: list[RowMatcher]) -> np.ndarray:
+    """(B, W) int32: each row's `packed` mask; those llguidance must compute, computed at once by its
+    parallel filler (token_mask.py) and kept by their rows."""
+    width = rows[0].num_words
+    if any(row.num_words != width for row in rows):
+        raise RuntimeError("internal: the rows of one packed mask batch have one token table")
+    out = np.empty((len(rows), width), dtype=np.int32)
+    todo = [(row.tokens, b) for b, row in enumerate(rows) if row.needs_mask]
+    if todo:
+        start = time.perf_counter()
+        fill(todo, out)
+        seconds = (time.perf_counter() - start) / len(todo)
+        for _, b in todo:
+            rows[b].take_mask(out[b], seconds)  # a view: the row's mask is this array's row, changed in place
+    filled = {b for _, b in todo}
+    for b, row in enumerate(rows):
+        if b not in filled:
+            out[b] = row.packed()
+    return out
