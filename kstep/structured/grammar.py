@@ -154,20 +154,21 @@ class GrammarCompiler:
             text, trigger, schemas = _grammar_text(spec)
         except ValueError as e:
             return Refusal(f"the {what} cannot be enforced: {e}")
-        error = next((m.get_error() for m in (llguidance.LLMatcher(t, text, log_level=0, limits=PARSER_LIMITS)
-                                              for t in (self.tokens, self.bytes)) if m.is_error()), None)
+        on_tokens, on_bytes = (llguidance.LLMatcher(t, text, log_level=0, limits=PARSER_LIMITS)
+                               for t in (self.tokens, self.bytes))
+        error = next((m.get_error() for m in (on_tokens, on_bytes) if m.is_error()), None)
         if error is not None:
             return Refusal(f"the {what} cannot be enforced: {_first_line(error)}")
         hints = [h for schema in schemas for h in schema_hints(schema)] if schemas else \
             [found.encode()] if spec.kind == "regex" and (found := example(spec.value)) else []
         tracks_keys = spec.kind in ("json", "tools")
-        grammar = Grammar(text, self.tokens, self.bytes, (b"", []), 0.0, tuple(dict.fromkeys(hints)), trigger,
-                          tracks_keys)
-        found = closing_bytes(grammar.matcher(self.bytes), grammar.hints, JsonKeys() if tracks_keys else None)
+        found = closing_bytes(on_bytes, tuple(dict.fromkeys(hints)), JsonKeys() if tracks_keys else None)
         if found is None:
             return Refusal(f"no output satisfies the {what}, or none the completion search reaches (it stops "
                            f"at {MAX_CLOSING_BYTES} bytes or {MAX_SEARCH_STEPS} steps): it cannot be kept")
-        grammar.start = (found, tokens_after(self.tokens, grammar.matcher(self.tokens), found, self.stop_token))
+        grammar = Grammar(text, self.tokens, self.bytes, (found, tokens_after(self.tokens, on_tokens, found,
+                                                                               self.stop_token)),
+                          0.0, tuple(dict.fromkeys(hints)), trigger, tracks_keys)
         grammar.compile_seconds = time.perf_counter() - start
         return grammar
 

@@ -8,58 +8,87 @@ so the output can fail its own schema (three properties written, one read back u
 key its object already holds is refused. Keys compare as JSON strings (decoded: "a" equals "\\u0061").
 
 Bytes outside any object or array (a tool call's `<tool_call>` text) pass through. The state is an
-immutable value, so copying it (a trial walk, a completion search) costs nothing. Plain Python."""
+immutable value, so copying it (a trial walk, a completion search) costs nothing; it is fed on the
+grammar's hot paths (every admitted token, every byte a completion search takes), so a value's text
+is skipped a run at a time and only a quote can close a key (`closes_repeated_key`). Plain Python."""
 import json
-from dataclasses import dataclass, replace
 
 # One open container: an object's keys so far and whether a key comes next, or an array (keys None).
 Frame = tuple[frozenset[str] | None, bool]
+QUOTE, BACKSLASH = 0x22, 0x5C
 
 
-@dataclass(frozen=True, slots=True)
 class JsonKeys:
-    stack: tuple[Frame, ...] = ()
-    in_string: bool = False
-    is_escaped: bool = False
-    key: bytes | None = None   # the key being read (None: not in a key)
+    __slots__ = ("stack", "in_string", "is_escaped", "key")
+
+    def __init__(self, stack: tuple[Frame, ...] = (), in_string: bool = False, is_escaped: bool = False,
+                 key: bytes | None = None):
+        self.stack, self.in_string, self.is_escaped = stack, in_string, is_escaped
+        self.key = key  # the key being read (None: not in a key)
+
+    def closes_repeated_key(self, byte: int) -> bool:
+        """Whether `byte` next would close a key its object already holds (`feed` would give None)."""
+        return byte == QUOTE and self.in_string and self.key is not None and not self.is_escaped \
+            and self._name() in self.stack[-1][0]
 
     def feed(self, data: bytes) -> "JsonKeys | None":
         """The state after `data`, or None if `data` closes a key its object already holds."""
-        state = self
-        for byte in data:
-            state = state._step(byte)
-            if state is None:
-                return None
-        return state
+        stack, in_string, is_escaped, key = self.stack, self.in_string, self.is_escaped, self.key
+        i, n = 0, len(data)
+        while i < n:
+            if in_string:
+                if is_escaped:
+                    is_escaped = False
+                else:  # a run of the string's text, up to its next quote or backslash
+                    end = _next_special(data, i)
+                    if key is not None:
+                        key += data[i:end]
+                    if end == n:
+                        break
+                    i = end
+                    if data[i] == BACKSLASH:
+                        is_escaped = True
+                    else:  # the closing quote
+                        in_string = False
+                        if key is not None:
+                            keys = stack[-1][0]
+                            name = _decoded(key)
+                            if name in keys:
+                                return None
+                            stack, key = (*stack[:-1], (keys | {name}, False)), None
+                        i += 1
+                        continue
+                if key is not None:
+                    key += data[i:i + 1]
+            else:
+                byte = data[i]
+                if byte == QUOTE:
+                    in_string = True
+                    key = b"" if stack and stack[-1][0] is not None and stack[-1][1] else None
+                elif byte == 0x7B:  # {
+                    stack = (*stack, (frozenset(), True))
+                elif byte == 0x5B:  # [
+                    stack = (*stack, (None, False))
+                elif byte in (0x7D, 0x5D) and stack:  # } ]
+                    stack = stack[:-1]
+                elif byte == 0x2C and stack and stack[-1][0] is not None:  # , in an object: a key next
+                    stack = (*stack[:-1], (stack[-1][0], True))
+            i += 1
+        return JsonKeys(stack, in_string, is_escaped, key)
 
-    def _step(self, byte: int) -> "JsonKeys | None":
-        if self.in_string:
-            if self.is_escaped or byte == 0x5C:  # a backslash, or the byte it escapes
-                return replace(self, is_escaped=not self.is_escaped, key=self._more(byte))
-            if byte != 0x22:
-                return replace(self, key=self._more(byte))
-            if self.key is None:  # a value's closing quote
-                return replace(self, in_string=False)
-            keys, _ = self.stack[-1]
-            try:
-                name = json.loads(b'"' + self.key + b'"')
-            except ValueError:  # not a JSON string (the grammar would not have let it close)
-                name = self.key.decode("utf-8", "replace")
-            if name in keys:
-                return None
-            return JsonKeys((*self.stack[:-1], (keys | {name}, False)))
-        if byte == 0x22:
-            is_key = bool(self.stack) and self.stack[-1][0] is not None and self.stack[-1][1]
-            return replace(self, in_string=True, key=b"" if is_key else None)
-        if byte == 0x7B:  # {
-            return replace(self, stack=(*self.stack, (frozenset(), True)))
-        if byte == 0x5B:  # [
-            return replace(self, stack=(*self.stack, (None, False)))
-        if byte in (0x7D, 0x5D) and self.stack:  # } ]
-            return replace(self, stack=self.stack[:-1])
-        if byte == 0x2C and self.stack and self.stack[-1][0] is not None:  # , in an object: a key next
-            return replace(self, stack=(*self.stack[:-1], (self.stack[-1][0], True)))
-        return self
+    def _name(self) -> str:
+        return _decoded(self.key)
 
-    def _more(self, byte: int) -> bytes | None:
-        return None if self.key is None else self.key + bytes([byte])
+
+def _next_special(data: bytes, start: int) -> int:
+    """The index of the next quote or backslash in `data` from `start` (len(data): none)."""
+    quote, backslash = data.find(b'"', start), data.find(b"\\", start)
+    found = [i for i in (quote, backslash) if i >= 0]
+    return min(found) if found else len(data)
+
+
+def _decoded(key: bytes) -> str:
+    try:
+        return json.loads(b'"' + key + b'"')
+    except ValueError:  # not a JSON string (the grammar would not have let it close)
+        return key.decode("utf-8", "replace")

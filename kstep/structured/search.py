@@ -54,7 +54,7 @@ def closing_bytes(matcher, hints: tuple[bytes, ...] = (), keys: JsonKeys | None 
             signature = state.compute_bitmask()
         else:
             allowed = bits(signature, 256)
-            options = [b for b in PREFERENCE if allowed[b] and (keys is None or keys.feed(bytes([b])) is not None)]
+            options = [b for b in PREFERENCE if allowed[b] and (keys is None or not keys.closes_repeated_key(b))]
             if not options:
                 return None
             # in free text (a string's content: most printable bytes allowed) a quote ends it; elsewhere a
