@@ -1,3 +1,4 @@
 from kstep.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # a spawned worker process imports this module too (structured/compile_worker.py)
+    raise SystemExit(main())

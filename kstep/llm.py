@@ -190,7 +190,7 @@ class LLM:
         under resolved `params`; stepped alone by `generate`, or with other requests by the engine.
         `first_tokens`: per row, the ids its first token may take (token healing; [] = any).
         `suffixes`: per row, the encoded text after the gap (infilling; full-attention families only).
-        `grammar`: params.structured compiled (a server's worker thread did it), else compiled here (cached)."""
+        `grammar`: params.structured compiled (a server did it, off its event loop), else compiled here (cached)."""
         if not params.is_resolved:
             raise RuntimeError("internal: params reach a decoder resolved (GenerationParams.resolve, at the edge)")
         if suffixes and any(suffixes):

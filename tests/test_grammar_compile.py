@@ -1,7 +1,13 @@
 """A grammar is compiled once per spec, off the server's event loop: while one compiles (held here
 until the test lets it go), the server answers other requests; a refused spec is refused again from
-the cache, and a spec that several requests bring at once is compiled once."""
+the cache, and a spec that several requests bring at once is compiled once. A server's compiles run
+in a worker process of the lowest priority, which ends with the server; a compile that kills it is
+refused, and a worker that cannot start leaves compiles in the process."""
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +20,11 @@ import kstep
 from kstep.random_checkpoint import write_random_checkpoint
 from kstep.server.app import ServeConfig, ServedModel, build_app
 from kstep.structured import StructuredSpec
-from kstep.structured.grammar import GrammarCompiler, Refusal
+from kstep.bench.server_process import running_server
+from kstep.structured.compile_worker import CompileWorker
+from kstep.structured.grammar import GrammarCompiler, Plan, Refusal
+
+SLOW_REGEX = StructuredSpec("regex", "x(a{1000}){1000}", "structured_outputs")  # about a second to refuse
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +100,58 @@ def test_a_spec_several_requests_bring_at_once_compiles_once(llm, monkeypatch):
         hold.set()
         first, *others = [g.result() for g in grammars]
     assert len(built) == 1 and all(g is first for g in others)
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The compile worker processes whose parent is `pid` (Linux's /proc)."""
+    found = []
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()
+            cmdline = open(f"/proc/{child}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if int(stat[1]) == pid and b"spawn_main" in cmdline:
+            found.append(int(child))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_servers_compiles_run_in_a_low_priority_worker_that_ends_with_it(llama_path, tmp_path):
+    with running_server(llama_path, "--served-model-name", "m", log=tmp_path / "serve.log") as (url, proc):
+        body = {"model": "m", "prompt": "x", "max_tokens": 8, "structured_outputs": {"regex": "[ab]{3}"}}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        [worker] = _workers_of(proc.pid)
+        assert os.getpriority(os.PRIO_PROCESS, worker) == 19
+        proc.send_signal(signal.SIGKILL)  # no shutdown runs: the worker notices its parent is gone
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{worker}") or "Z" in open(f"/proc/{worker}/stat").read().split()[2]
+
+
+def test_a_compile_that_ends_its_worker_is_refused_and_the_next_gets_a_new_one():
+    worker = CompileWorker()
+    worker.start()
+    assert isinstance(worker.plan(StructuredSpec("regex", "[ab]{3}")), Plan)
+    [pid] = list(worker._pool._processes)
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(worker.plan, SLOW_REGEX)
+        time.sleep(0.3)  # the worker is in the slow compile
+        os.kill(pid, signal.SIGKILL)
+        refused = slow.result(60)
+    assert isinstance(refused, Refusal) and "compile worker" in refused.reason
+    assert isinstance(worker.plan(StructuredSpec("regex", "[ab]{4}")), Plan)
+    assert list(worker._pool._processes) != [pid]
+    worker.close()
+
+
+def test_a_worker_that_cannot_start_leaves_compiles_in_the_process(tmp_path):
+    script = tmp_path / "unguarded.py"  # spawn imports the main module again: this one plans at import
+    script.write_text("from kstep.structured.compile_worker import CompileWorker\n"
+                      "from kstep.structured.spec import StructuredSpec\n"
+                      "print(type(CompileWorker().plan(StructuredSpec('regex', '[ab]{3}'))).__name__)\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().splitlines()[-1] == "Plan", run.stderr
+    assert "the grammar compile worker did not start" in run.stderr

@@ -44,8 +44,8 @@ async def _hostile(http: httpx.AsyncClient, url: str, model: str, counter, stop:
         statuses.append((await http.post(url + "/v1/chat/completions", json=body)).status_code)
 
 
-async def _run(url: str, model: str, streams: int, hostile: int, max_tokens: int) -> dict:
-    counter, stop, statuses = itertools.count(), asyncio.Event(), []
+async def _run(url: str, model: str, streams: int, hostile: int, max_tokens: int, counter) -> dict:
+    stop, statuses = asyncio.Event(), []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=64)) as http:
         attackers = [asyncio.create_task(_hostile(http, url, model, counter, stop, statuses)) for _ in range(hostile)]
         await asyncio.sleep(0.5 if hostile else 0)  # the hostile compiles under way first
@@ -61,10 +61,10 @@ async def _run(url: str, model: str, streams: int, hostile: int, max_tokens: int
 def run_stall(url: str, model: str, streams: int, hostile: int, max_tokens: int, repeats: int,
               progress=print) -> list[dict]:
     """Alone, then with `hostile` clients, `repeats` times interleaved (each row to `progress` as it ends)."""
-    rows = []
+    rows, counter = [], itertools.count(int(time.time()))  # a new spec every time, across runs and benches
     for _ in range(repeats):
         for h in (0, hostile):
-            rows.append(asyncio.run(_run(url, model, streams, h, max_tokens)))
+            rows.append(asyncio.run(_run(url, model, streams, h, max_tokens, counter)))
             progress(json.dumps(rows[-1]))
     return rows
 

@@ -87,6 +87,7 @@ def build_app(models: list[ServedModel], config: ServeConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        routes.compile_worker.start()
         for route in routes.by_name.values():
             await route.engine.run_on_torch_thread(warm_up, route.llm)
             await route.engine.start()
@@ -94,6 +95,7 @@ def build_app(models: list[ServedModel], config: ServeConfig) -> FastAPI:
         for route in routes.by_name.values():
             await route.engine.stop()
             route.llm.close()  # a tensor-parallel model's other ranks stop with it
+        routes.compile_worker.close()
 
     app = FastAPI(title="kstep", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)

@@ -24,6 +24,7 @@ from kstep.server.metrics import ModelMetrics
 from kstep.server.chat_protocol import ChatCompletionRequest
 from kstep.server.protocol import CompletionRequest, SamplingFields
 from kstep.server.streaming import Stream
+from kstep.structured.compile_worker import CompileWorker
 from kstep.server.tools import prompt_messages
 
 log = logging.getLogger("kstep.server")
@@ -54,10 +55,14 @@ class Routes:
         self.default_max_tokens = default_max_tokens
         # Preparing a request (rendering and tokenizing its prompt, checking it) runs in `workers`, and
         # compiling a new grammar (up to a completion search's bound: kstep/structured/search.py) in
-        # `compilers` first, never on the event loop: one request's preparation never stalls another's
-        # stream, and new grammars wait for each other, not for the requests that bring none.
+        # `compilers` first, never on the event loop, its search in `compile_worker`'s process: one
+        # request's preparation never stalls another's stream, and new grammars wait for each other,
+        # not for the requests that bring none.
         self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="kstep-prepare")
         self.compilers = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="kstep-compile")
+        self.compile_worker = CompileWorker()
+        for route in routes:
+            route.llm.grammar.planner = self.compile_worker.plan
         self.by_name = {r.name: r for r in routes}
         self.on_model_down: Callable[[str], None] = lambda name: None
         self.on_no_live_model: Callable[[], None] = _terminate

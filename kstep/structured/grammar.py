@@ -3,9 +3,9 @@ model from the checkpoint's tokenizer.json, and each request's spec compiled onc
 text, checked against both token tables, and the completion the search finds from its start
 (search.py), or the reason it is refused. Both outcomes are cached per spec (a refused spec sent again
 costs nothing), and a spec that several requests bring at once is compiled once: the others wait for
-it. A compile may take up to a search's bound (search.py), so a server runs it in a worker thread,
-never on its event loop (server/routes.py); llguidance drops the GIL while it builds a grammar and
-while it computes forced text.
+it. A compile may take up to a search's bound (search.py). Nearly all of that is `plan`, which needs
+no model: a server runs it in a worker process (compile_worker.py), the rest in a worker thread,
+never on its event loop (server/routes.py).
 
 Why llguidance (measured in docs/benchmarks.md, `kstep bench structured --engines`): one wheel with
 no dependencies (xgrammar pulls transformers, triton and a TVM runtime); it compiles a real-world
@@ -24,6 +24,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,7 +109,9 @@ class GrammarCompiler:
     """One model's token table and its cache of compiled (or refused) specs, safe to use from several
     threads (module note)."""
 
-    def __init__(self, tokenizer_json: Path, vocab_size: int, stop_ids: list[int]):
+    def __init__(self, tokenizer_json: Path, vocab_size: int, stop_ids: list[int],
+                 planner: Callable[[StructuredSpec], "Plan | Refusal"] | None = None):
+        self.planner = planner or plan
         self.tokens = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size, eos_token=list(stop_ids))
         self.bytes, self.stop_token = byte_table(), stop_ids[0]
         self.cache: OrderedDict[tuple[str, str], Grammar | Refusal] = OrderedDict()
@@ -148,29 +151,53 @@ class GrammarCompiler:
         return found
 
     def _build(self, spec: StructuredSpec) -> Grammar | Refusal:
+        """The model's half of a compile, after `planner`'s (`plan`, or the same in a worker process:
+        compile_worker.py): the grammar checked against the model's tokens, its start as tokens."""
         start = time.perf_counter()
-        what = KIND_NAMES[spec.kind]
-        try:
-            text, trigger, schemas = _grammar_text(spec)
-        except ValueError as e:
-            return Refusal(f"the {what} cannot be enforced: {e}")
-        on_tokens, on_bytes = (llguidance.LLMatcher(t, text, log_level=0, limits=PARSER_LIMITS)
-                               for t in (self.tokens, self.bytes))
-        error = next((m.get_error() for m in (on_tokens, on_bytes) if m.is_error()), None)
-        if error is not None:
-            return Refusal(f"the {what} cannot be enforced: {_first_line(error)}")
-        hints = [h for schema in schemas for h in schema_hints(schema)] if schemas else \
-            [found.encode()] if spec.kind == "regex" and (found := example(spec.value)) else []
-        tracks_keys = spec.kind in ("json", "tools")
-        found = closing_bytes(on_bytes, tuple(dict.fromkeys(hints)), JsonKeys() if tracks_keys else None)
-        if found is None:
-            return Refusal(f"no output satisfies the {what}, or none the completion search reaches (it stops "
-                           f"at {MAX_CLOSING_BYTES} bytes or {MAX_SEARCH_STEPS} steps): it cannot be kept")
-        grammar = Grammar(text, self.tokens, self.bytes, (found, tokens_after(self.tokens, on_tokens, found,
-                                                                               self.stop_token)),
-                          0.0, tuple(dict.fromkeys(hints)), trigger, tracks_keys)
-        grammar.compile_seconds = time.perf_counter() - start
-        return grammar
+        planned = self.planner(spec)
+        if isinstance(planned, Refusal):
+            return planned
+        on_tokens = llguidance.LLMatcher(self.tokens, planned.text, log_level=0, limits=PARSER_LIMITS)
+        if on_tokens.is_error():
+            return Refusal(f"the {KIND_NAMES[spec.kind]} cannot be enforced: {_first_line(on_tokens.get_error())}")
+        found = planned.start
+        return Grammar(planned.text, self.tokens, self.bytes,
+                       (found, tokens_after(self.tokens, on_tokens, found, self.stop_token)),
+                       time.perf_counter() - start, planned.hints, planned.trigger, planned.tracks_keys)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a compile finds without the model: the grammar text, its trigger, hints and whether it
+    tracks keys (Grammar's fields), and the completion from its start, as bytes."""
+    text: str
+    trigger: bytes | None
+    hints: tuple[bytes, ...]
+    tracks_keys: bool
+    start: bytes
+
+
+def plan(spec: StructuredSpec) -> Plan | Refusal:
+    """The model-independent half of a compile, where nearly all of its time goes: the grammar text,
+    checked against the byte table, and the completion search from its start (a hostile spec's cost,
+    up to the search's bound). It needs no model, so a worker process can do it (compile_worker.py)."""
+    what = KIND_NAMES[spec.kind]
+    try:
+        text, trigger, schemas = _grammar_text(spec)
+    except ValueError as e:
+        return Refusal(f"the {what} cannot be enforced: {e}")
+    on_bytes = llguidance.LLMatcher(byte_table(), text, log_level=0, limits=PARSER_LIMITS)
+    if on_bytes.is_error():
+        return Refusal(f"the {what} cannot be enforced: {_first_line(on_bytes.get_error())}")
+    hints = [h for schema in schemas for h in schema_hints(schema)] if schemas else \
+        [found.encode()] if spec.kind == "regex" and (found := example(spec.value)) else []
+    hints = tuple(dict.fromkeys(hints))
+    tracks_keys = spec.kind in ("json", "tools")
+    found = closing_bytes(on_bytes, hints, JsonKeys() if tracks_keys else None)
+    if found is None:
+        return Refusal(f"no output satisfies the {what}, or none the completion search reaches (it stops "
+                       f"at {MAX_CLOSING_BYTES} bytes or {MAX_SEARCH_STEPS} steps): it cannot be kept")
+    return Plan(text, trigger, hints, tracks_keys, found)
 
 
 def _grammar_text(spec: StructuredSpec) -> tuple[str, bytes | None, list]:

@@ -13,7 +13,8 @@ class ModelGrammar:
     def __init__(self, tokenizer_json: Path | None, vocab_size: int, stop_ids: list[int], mask_id: int | None):
         self.tokenizer_json, self.vocab_size, self.stop_ids, self.mask_id = tokenizer_json, vocab_size, stop_ids, mask_id
         self._compiler: GrammarCompiler | None = None
-        self._lock = threading.Lock()  # compiles run in a server's worker threads: one makes the tables
+        self.planner = None  # where a compile's model-independent half runs (None: here; a server's: compile_worker.py)
+        self._lock = threading.Lock()  # compiles may run in several threads: one makes the tables
 
     def compile(self, spec: StructuredSpec) -> Grammar:
         """The spec's grammar (compiled once, cached); a ValueError naming spec.field when refused."""
@@ -21,7 +22,7 @@ class ModelGrammar:
             if self._compiler is None:
                 if self.tokenizer_json is None:
                     raise ValueError(f"{spec.field}: a structured output needs the checkpoint's tokenizer.json")
-                self._compiler = GrammarCompiler(self.tokenizer_json, self.vocab_size, self.stop_ids)
+                self._compiler = GrammarCompiler(self.tokenizer_json, self.vocab_size, self.stop_ids, self.planner)
         return self._compiler.compile(spec)
 
     def check(self, spec: StructuredSpec, max_tokens: int) -> Grammar:

@@ -47,6 +47,8 @@ def closing_bytes(matcher, hints: tuple[bytes, ...] = (), keys: JsonKeys | None 
         hinted = _hint(state, signature, hints, keys) if not forced and (loops or _needs_text(signature)) else None
         if forced or hinted:
             text = forced or hinted
+            if len(out) + len(text) > MAX_CLOSING_BYTES:
+                return None  # before taking them: a regex may force a million bytes
             if keys is not None and (keys := keys.feed(text)) is None:
                 return None  # the grammar forces a key the object holds already
             state.consume_tokens(list(text))
