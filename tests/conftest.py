@@ -73,3 +73,24 @@ def llama_server(llama_path, tmp_path_factory):
     with running_server(llama_path, "--served-model-name", "tiny-ar",
                         log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
         yield url
+
+
+@pytest.fixture(scope="module")
+def random_models(tmp_path_factory):
+    """A random checkpoint of a family, loaded once per test module: random_models("llada")."""
+    cache = {}
+
+    def get(family: str):
+        import kstep
+        if family not in cache:
+            cache[family] = kstep.load(write_random_checkpoint(tmp_path_factory.mktemp(family), family=family, seed=5))
+        return cache[family]
+    return get
+
+
+def ar_masked_block_models(tmp_path_factory) -> list[str]:
+    """`kstep serve` arguments for random AR ("ar"), masked-diffusion ("masked") and block-diffusion
+    ("block") models in one server."""
+    paths = {name: write_random_checkpoint(tmp_path_factory.mktemp(name), family=family, seed=3)
+             for name, family in (("ar", "qwen2"), ("masked", "llada"), ("block", "sdar"))}
+    return [f"ar={paths['ar']}", "--model", f"masked={paths['masked']}", "--model", f"block={paths['block']}"]

@@ -43,7 +43,7 @@ from langchain_openai import ChatOpenAI  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
 from kstep.bench.server_process import running_server  # noqa: E402
-from kstep.random_checkpoint import write_random_checkpoint  # noqa: E402
+from conftest import ar_masked_block_models  # noqa: E402
 
 litellm.suppress_debug_info = True  # no "Give Feedback" banners; its callbacks are empty by default
 pytestmark = pytest.mark.filterwarnings(  # the libraries' own noise, not kstep's
@@ -150,10 +150,8 @@ def no_network():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    paths = {name: write_random_checkpoint(tmp_path_factory.mktemp(name), family=family, seed=3)
-             for name, family in (("ar", "qwen2"), ("masked", "llada"), ("block", "sdar"))}
-    with running_server(f"ar={paths['ar']}", "--model", f"masked={paths['masked']}", "--model",
-                        f"block={paths['block']}", log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
+    with running_server(*ar_masked_block_models(tmp_path_factory),
+                        log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
         with recording_proxy(url) as recorder:
             yield recorder
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 import kstep
-from kstep.bench.server_process import running_server
+from kstep.bench.server_process import QUIET_PORTS, free_port, running_server
 from kstep.engine.text_stream import MASK_PLACEHOLDER
 
 
@@ -32,6 +32,17 @@ def metric(url: str, name: str, labels: str = "") -> float:
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, x):", "x = [", "# sort a list\n",
            "for i in range(10):", "while True:", "print("]
+
+
+def test_a_test_server_s_port_is_one_no_process_is_handed_unasked():
+    """Below the kernel's ephemeral range, where bind(0) (Ray's processes starting before its proxy
+    binds the port it was given) never lands; random, so runs side by side differ."""
+    try:
+        ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except OSError:
+        ephemeral_low = QUIET_PORTS[1]
+    ports = [free_port() for _ in range(20)]
+    assert all(QUIET_PORTS[0] <= p < min(QUIET_PORTS[1], ephemeral_low) for p in ports) and len(set(ports)) > 1
 
 
 def test_models_health_and_completion_equals_offline(llada_server, llada_path):

@@ -42,14 +42,8 @@ CASES = [("llama", {}), ("llama", {"temperature": 1.0, "seed": 3}), ("qwen2", {}
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    cache = {}
-
-    def get(family: str) -> kstep.LLM:
-        if family not in cache:
-            cache[family] = kstep.load(write_random_checkpoint(tmp_path_factory.mktemp(family), family=family, seed=5))
-        return cache[family]
-    return get
+def models(random_models):
+    return random_models
 
 
 def valid(spec: StructuredSpec, text: str) -> bool:

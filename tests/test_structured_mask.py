@@ -14,13 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-import kstep
 from kstep.decoding import walk_candidates
 from kstep.decoding.walk_candidates import WalkCandidates
 from kstep.engine.engine import Engine
 from kstep.engine.request import Request
 from kstep.params import GenerationParams
-from kstep.random_checkpoint import write_random_checkpoint
 from kstep.structured import StructuredSpec, token_mask
 from kstep.structured.search import bits
 from test_engine import run
@@ -32,14 +30,8 @@ ROOM = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    cache = {}
-
-    def get(family: str) -> kstep.LLM:
-        if family not in cache:
-            cache[family] = kstep.load(write_random_checkpoint(tmp_path_factory.mktemp(family), family=family, seed=5))
-        return cache[family]
-    return get
+def models(random_models):
+    return random_models
 
 
 def reference_allowed(row) -> torch.Tensor:

@@ -13,6 +13,7 @@ import pytest
 
 from kstep.bench.server_process import running_server
 from kstep.random_checkpoint import write_random_checkpoint
+from conftest import ar_masked_block_models
 from test_server import client
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
@@ -25,10 +26,8 @@ MODELS = ("ar", "masked", "block")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    paths = {name: write_random_checkpoint(tmp_path_factory.mktemp(name), family=family, seed=3)
-             for name, family in (("ar", "qwen2"), ("masked", "llada"), ("block", "sdar"))}
-    with running_server(f"ar={paths['ar']}", "--model", f"masked={paths['masked']}", "--model",
-                        f"block={paths['block']}", log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
+    with running_server(*ar_masked_block_models(tmp_path_factory),
+                        log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
         yield url
 
 
