@@ -19,10 +19,11 @@ def add_bench(sub) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND", prog=bench.prog)
     from kstep.bench.llamacpp.cli import add_llamacpp
     from kstep.bench.sizes_cli import add_load, add_moe, add_passes, add_self_spec, add_tp
+    from kstep.bench.sampler import add_sampler
     from kstep.bench.stall import add_stall
     from kstep.bench.structured_cli import add_structured
     for add in (_add_decode, _add_compare, _add_quant, _add_ar, _add_serve, add_moe, add_load, add_passes, add_tp,
-                add_self_spec, add_structured, add_stall, add_llamacpp):
+                add_self_spec, add_structured, add_stall, add_sampler, add_llamacpp):
         add(kinds)
 
 

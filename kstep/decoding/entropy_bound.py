@@ -5,6 +5,8 @@ stopping rule. The decoder (uniform_diffusion.py) strings them together in trans
 """
 import torch
 
+from kstep.decoding.exact_draw import draw_one
+from kstep.decoding.row_tiles import row_tiles
 from kstep.decoding.sampling import OutputRules, constrain_outputs, filter_logits
 
 
@@ -21,7 +23,7 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     (a filtered -inf logit contributes exactly 0)."""
     normed = logits - logits.logsumexp(-1, keepdim=True)
     probs = torch.softmax(normed, dim=-1)
-    return -(normed.clamp(min=torch.finfo(normed.dtype).min) * probs).sum(-1)
+    return -normed.clamp_(min=torch.finfo(normed.dtype).min).mul_(probs).sum(-1)  # in place: the same bits
 
 
 def accept(entropies: torch.Tensor, bound: float) -> torch.Tensor:
@@ -41,15 +43,35 @@ def is_stable(history: torch.Tensor, argmax: torch.Tensor) -> tuple[torch.Tensor
     return stable, torch.cat([history[1:], argmax[None]])
 
 
-def process_logits(logits: torch.Tensor, temperature_value: torch.Tensor, scale: float, top_k: int | None,
-                   top_p: float | None, output_index: torch.Tensor, rules: OutputRules) -> torch.Tensor:
-    """(B, L, V) float32 logits -> the processed logits every rule reads, in transformers' order:
-    kstep's output rules (min_tokens, token healing's first token), then the request's filters
-    (`scale` 0: the top-1 filter, transformers' deterministic run; else top-k / top-p, as logits
-    processors passed to its generate), then the schedule's temperature (times `scale` unless it is 1)."""
+def sample_positions(logits: torch.Tensor, temperature_value: torch.Tensor, scale: float, top_k: int | None,
+                     top_p: float | None, output_index: torch.Tensor, rules: OutputRules,
+                     generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
+    """(B, L, V) float32 logits -> (processed (B, L, V), sampled, argmax, entropies (B, L)): transformers'
+    per-pass work over every position's distribution, in row tiles (row_tiles.py) whatever the
+    vocabulary and canvas. The processed logits every rule reads, in transformers' order: kstep's
+    output rules (min_tokens, token healing's first token), then the request's filters (`scale` 0:
+    the top-1 filter, transformers' deterministic run; else top-k / top-p, as logits processors passed
+    to its generate), then the schedule's temperature (times `scale` unless it is 1); written over
+    `logits` (a pass's logits are its decoder's). Then a multinomial draw from their softmax
+    (exact_draw.py), their argmax and entropy. The tiles draw in row order, so the draws and the
+    generator's state are those of whole-tensor work."""
     logits = constrain_outputs(logits, output_index, rules)
     if scale == 0:
         top_k, top_p = 1, None
-    if top_k is not None or top_p is not None:
-        logits = filter_logits(logits, top_k, top_p)
-    return logits / (temperature_value if scale in (0, 1) else temperature_value * scale)
+    divisor = temperature_value if scale in (0, 1) else temperature_value * scale
+    V = logits.shape[-1]
+    processed = logits.contiguous().view(-1, V)
+    sampled = torch.empty(processed.shape[0], dtype=torch.long, device=logits.device)
+    argmax, entropies = torch.empty_like(sampled), torch.empty(processed.shape[0], dtype=logits.dtype,
+                                                              device=logits.device)
+    for rows in row_tiles(processed.shape[0], V, processed.element_size()):
+        tile = processed[rows]
+        if top_k is not None or top_p is not None:
+            tile = filter_logits(tile, top_k, top_p)
+        tile = tile / divisor
+        processed[rows] = tile
+        sampled[rows] = draw_one(torch.softmax(tile, dim=-1, dtype=torch.float32), generator)
+        argmax[rows] = tile.argmax(-1)
+        entropies[rows] = entropy(tile)
+    lead = logits.shape[:-1]
+    return processed.view(logits.shape), sampled.view(lead), argmax.view(lead), entropies.view(lead)

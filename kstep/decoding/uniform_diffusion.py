@@ -31,13 +31,16 @@ import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
 from kstep.decoding.sampling import OutputRules
-from kstep.decoding.entropy_bound import accept, entropy, is_stable, process_logits, temperature
+from kstep.decoding.entropy_bound import accept, is_stable, sample_positions, temperature
+from kstep.decoding.row_tiles import row_tiles
 from kstep.decoding.walk_candidates import WalkCandidates
 from kstep.models.diffusion_gemma_layers import DECODER, ENCODER
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_padding
 from kstep.runner.pass_output import PassOutput
+
+
 
 
 class UniformDiffusionDecoder(Decoder):
@@ -122,21 +125,19 @@ class UniformDiffusionDecoder(Decoder):
 
     def _denoise(self, logits: torch.Tensor) -> None:
         """One decoder pass's update (module note, step 2-3); commits when the canvas ends."""
-        p, V = self.params, self.vocab_size
+        p = self.params
         ran = ~(self.done | self.row_finished)  # a row that stopped denoising would need no pass alone
         self.decoder_passes += ran
         self.row_nfe += ran
         temp = temperature(p.t_min, p.t_max, self.steps_left, p.max_denoising_steps, self.device)
         output_index = self.canvas_idx * self.canvas_length + torch.arange(self.canvas_length, device=self.device)
-        processed = process_logits(logits, temp, p.temperature, p.top_k, p.top_p, output_index[None],
-                                   self.output_rules)  # (B, L, V)
-        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
-        sampled = torch.multinomial(probs.view(-1, V), 1, generator=self.generator).view(self.canvas_shape)
-        argmax = processed.argmax(-1)  # (B, L)
-        entropies = entropy(processed)  # (B, L)
+        processed, sampled, argmax, entropies = sample_positions(
+            logits, temp, p.temperature, p.top_k, p.top_p, output_index[None], self.output_rules,
+            self.generator)  # (B, L, V), then (B, L) each
         accepted = accept(entropies, p.entropy_bound)  # (B, L)
         canvas = torch.where(accepted, sampled, self._random_tokens())
         if self.grammar is not None:
+            probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
             argmax, canvas = self._keep_grammar(processed, probs, accepted, argmax, canvas)
         done = self.done[:, None]  # rows that stopped keep their canvas
         argmax, canvas = torch.where(done, self.argmax, argmax), torch.where(done, self.canvas, canvas)
@@ -146,7 +147,15 @@ class UniformDiffusionDecoder(Decoder):
         if self.steps_left == 0 or bool(self.done.all()):
             self._commit()
         else:
-            self.soft = self.runner.soft_embedding(processed)
+            self.soft = self._soft_embedding(processed)
+
+    def _soft_embedding(self, processed: torch.Tensor) -> torch.Tensor:
+        """The next pass's self-conditioning signal (B, L, D), in row tiles 8x as wide as the sampler's
+        (a matmul of a few rows may round otherwise than the whole's)."""
+        flat = processed.view(-1, processed.shape[-1])
+        tiles = row_tiles(flat.shape[0], flat.shape[1], flat.element_size(), widen=8)
+        soft = torch.cat([self.runner.soft_embedding(flat[rows]) for rows in tiles])
+        return soft.view(*processed.shape[:-1], soft.shape[-1])
 
     def _keep_grammar(self, processed: torch.Tensor, probs: torch.Tensor, accepted: torch.Tensor,
                       free_argmax: torch.Tensor, free_canvas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,20 @@
+"""Rows of a (N, V) tensor in tiles that fit a byte budget, for per-pass work over positions x
+vocabulary (a sampler's softmax, draw, argmax, entropy): its transient memory is then a few tiles,
+whatever the vocabulary, canvas and batch, where whole-tensor work would take several (N, V) copies
+(at a 262,144-token vocabulary and 256 positions, 268 MB each in float32).
+
+Row-wise work gives the same bits in tiles as whole, with one exception a tile avoids: a tile of one
+row, which torch splits across its threads, so its reductions (a sum, a logsumexp) may round
+differently. A tile is never a single row unless the whole is one row (the last tile takes a
+lone remainder row)."""
+TILE_BYTES = 8 << 20  # one tile of the values, e.g. 8 rows of a 262,144-token vocabulary in float32
+
+
+def row_tiles(num_rows: int, width: int, element_bytes: int = 4, widen: int = 1) -> list[slice]:
+    """Consecutive slices covering range(num_rows), each of at least 2 rows (unless num_rows is 1) and
+    at most max(2, widen * TILE_BYTES // (width * element_bytes)) + 1."""
+    size = max(2, widen * TILE_BYTES // max(1, width * element_bytes))
+    starts = list(range(0, num_rows, size))
+    if len(starts) > 1 and num_rows - starts[-1] == 1:
+        starts.pop()  # the lone last row joins the tile before it
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], num_rows])]
