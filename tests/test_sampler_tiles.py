@@ -1,7 +1,8 @@
-"""The sampler's per-pass work over positions x vocabulary in row tiles (issue 45): the exact draw
+"""The samplers' per-pass work over positions x vocabulary in row tiles (issue 45): the exact draw
 equals torch.multinomial (ids and the generator's state after) on this torch, the tiles cover the
-rows without a single-row tile, and DiffusionGemma's tiled pass gives the bits and draws of the
-whole-tensor pass it replaced, at any tile size, end to end too."""
+rows without a single-row tile, and DiffusionGemma's tiled pass, Dream's scores and the Gumbel-max
+sampler give the bits and draws of the whole-tensor work they replaced, at any tile size, end to end
+too."""
 import pytest
 import torch
 
@@ -10,7 +11,9 @@ from kstep.decoding import row_tiles as row_tiles_module
 from kstep.decoding.entropy_bound import entropy, sample_positions
 from kstep.decoding.exact_draw import _draw, draw_one, is_exact
 from kstep.decoding.row_tiles import row_tiles
-from kstep.decoding.sampling import OutputRules, filter_logits
+from kstep.decoding.dream import _dream_rows, dream_logit_scores
+from kstep.decoding.sampling import OutputRules, _sample_rows, filter_logits, sample_tokens
+from kstep.params import GenerationParams
 
 
 def test_this_torch_draws_as_the_exact_draw_assumes():
@@ -92,3 +95,29 @@ def test_diffusion_gemma_in_small_tiles_generates_what_it_does_whole(gemma_path,
     whole = [r.token_ids for r in llm.generate(prompts, **params)]
     monkeypatch.setattr(row_tiles_module, "TILE_BYTES", 2 * llm.cfg.vocab_size * 4)  # 2 rows; soft: 16
     assert [r.token_ids for r in llm.generate(prompts, **params)] == whole
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, None, None), (1.0, None, None), (0.7, 5, None),
+                                                     (1.3, None, 0.8)])
+def test_gumbel_max_sampling_in_tiles_is_whole(temperature, top_k, top_p, monkeypatch):
+    logits = torch.randn(4, 5, 333, generator=torch.Generator().manual_seed(2)) * 3
+    whole_generator, tiled_generator = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    whole = _sample_rows(logits, temperature, whole_generator, top_k, top_p)
+    monkeypatch.setattr(row_tiles_module, "TILE_BYTES", 3 * 333 * 4)
+    assert torch.equal(sample_tokens(logits, temperature, tiled_generator, top_k, top_p), whole)
+    assert torch.equal(whole_generator.get_state(), tiled_generator.get_state())
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.0), dict(temperature=0.9, remasking="margin"),
+                                      dict(temperature=1.0, top_p=0.9, remasking="entropy"),
+                                      dict(temperature=0.5, top_k=7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dream_scores_in_tiles_are_whole(settings, dtype, monkeypatch):
+    params = GenerationParams(**settings)
+    logits = (torch.randn(3, 6, 400, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)
+    whole_generator, tiled_generator = torch.Generator().manual_seed(8), torch.Generator().manual_seed(8)
+    whole = _dream_rows(logits, params, 399, whole_generator)
+    monkeypatch.setattr(row_tiles_module, "TILE_BYTES", 4 * 400 * logits.element_size())
+    tiled = dream_logit_scores(logits, params, 399, tiled_generator)
+    assert all(torch.equal(a, b) for a, b in zip(whole, tiled, strict=True))
+    assert torch.equal(whole_generator.get_state(), tiled_generator.get_state())

@@ -27,7 +27,9 @@ masked forever).
 import torch
 
 from kstep.decoding.base import DecoderResources, prefix_step_output
+from kstep.decoding.exact_draw import draw_one
 from kstep.decoding.masked_diffusion import DiffusionDecoder, fill_after_stop
+from kstep.decoding.row_tiles import tiled
 from kstep.decoding.sampling import constrain
 from kstep.decoding.unmask import choose_threshold, choose_top, top_request
 from kstep.outputs import StepOutput
@@ -49,7 +51,13 @@ def dream_logit_scores(logits: torch.Tensor, params, mask_id: int, generator: to
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dream's `sample_tokens` on (..., V) logits -> (tokens, confidence): temperature, then top-p, then
     top-k (filtered logits at the dtype's minimum), softmax; argmax at temperature 0 else a sample;
-    confidence the token's probability, or top-1 minus top-2 (`margin`), or negative entropy."""
+    confidence the token's probability, or top-1 minus top-2 (`margin`), or negative entropy. In row
+    tiles (row_tiles.py), the draws exact (exact_draw.py): the same tokens and scores as whole."""
+    return tiled(lambda rows: _dream_rows(rows, params, mask_id, generator), logits)
+
+
+def _dream_rows(logits: torch.Tensor, params, mask_id: int, generator: torch.Generator | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     p = params
     if p.temperature > 0:
         logits = logits / p.temperature
@@ -67,8 +75,7 @@ def dream_logit_scores(logits: torch.Tensor, params, mask_id: int, generator: to
     proposal = probs.clone()
     proposal[..., mask_id] = 0  # a masked position must become a token
     if p.temperature > 0:
-        flat = proposal.reshape(-1, proposal.shape[-1])
-        tokens = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+        tokens = draw_one(proposal.reshape(-1, proposal.shape[-1]), generator).view(probs.shape[:-1])
     else:
         tokens = proposal.argmax(-1)
     if p.remasking == "margin":

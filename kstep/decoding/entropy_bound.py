@@ -43,6 +43,7 @@ def is_stable(history: torch.Tensor, argmax: torch.Tensor) -> tuple[torch.Tensor
     return stable, torch.cat([history[1:], argmax[None]])
 
 
+@torch.inference_mode()  # it writes over the pass's logits, an inference tensor, whoever calls it
 def sample_positions(logits: torch.Tensor, temperature_value: torch.Tensor, scale: float, top_k: int | None,
                      top_p: float | None, output_index: torch.Tensor, rules: OutputRules,
                      generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:

@@ -7,6 +7,10 @@ Row-wise work gives the same bits in tiles as whole, with one exception a tile a
 row, which torch splits across its threads, so its reductions (a sum, a logsumexp) may round
 differently. A tile is never a single row unless the whole is one row (the last tile takes a
 lone remainder row)."""
+from collections.abc import Callable
+
+import torch
+
 TILE_BYTES = 8 << 20  # one tile of the values, e.g. 8 rows of a 262,144-token vocabulary in float32
 
 
@@ -18,3 +22,19 @@ def row_tiles(num_rows: int, width: int, element_bytes: int = 4, widen: int = 1)
     if len(starts) > 1 and num_rows - starts[-1] == 1:
         starts.pop()  # the lone last row joins the tile before it
     return [slice(a, b) for a, b in zip(starts, [*starts[1:], num_rows])]
+
+
+def tiled(fn: Callable[[torch.Tensor], torch.Tensor | tuple[torch.Tensor, ...]], values: torch.Tensor,
+          widen: int = 1) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """`fn` over the rows of values (..., V) in row tiles, in row order (a random draw in `fn` then
+    takes the generator's stream as one call over all rows would): its outputs, one tensor or a tuple,
+    each (rows, ...) per tile, joined and shaped (..., ...) as values' leading dimensions."""
+    flat = values.reshape(-1, values.shape[-1])
+    tiles = row_tiles(flat.shape[0], flat.shape[1], flat.element_size(), widen)
+    if len(tiles) == 1:
+        return fn(values)
+    parts = [fn(flat[rows]) for rows in tiles]
+    lead = values.shape[:-1]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(column).view(*lead, *column[0].shape[1:]) for column in zip(*parts))
+    return torch.cat(parts).view(*lead, *parts[0].shape[1:])

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kstep.decoding.row_tiles import tiled
 from kstep.runner.pass_output import PassOutput
 
 if TYPE_CHECKING:
@@ -38,7 +39,13 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) 
 def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
                   top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
     """(..., V) logits -> (...) token ids. Top-k / top-p select from the tempered distribution
-    softmax(logits / T), as transformers and vLLM do."""
+    softmax(logits / T), as transformers and vLLM do. In row tiles (row_tiles.py): the same ids and
+    draws as whole, a few tiles of memory whatever the positions and vocabulary."""
+    return tiled(lambda rows: _sample_rows(rows, temperature, generator, top_k, top_p), logits)
+
+
+def _sample_rows(logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
+                 top_k: int | None, top_p: float | None) -> torch.Tensor:
     if top_k is not None or top_p is not None:
         kept = filter_logits(logits / temperature if temperature > 0 else logits, top_k, top_p)
         logits = logits.masked_fill(torch.isinf(kept), float("-inf"))

@@ -32,7 +32,7 @@ import torch
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
 from kstep.decoding.sampling import OutputRules
 from kstep.decoding.entropy_bound import accept, is_stable, sample_positions, temperature
-from kstep.decoding.row_tiles import row_tiles
+from kstep.decoding.row_tiles import tiled
 from kstep.decoding.walk_candidates import WalkCandidates
 from kstep.models.diffusion_gemma_layers import DECODER, ENCODER
 from kstep.outputs import StepOutput
@@ -147,15 +147,8 @@ class UniformDiffusionDecoder(Decoder):
         if self.steps_left == 0 or bool(self.done.all()):
             self._commit()
         else:
-            self.soft = self._soft_embedding(processed)
-
-    def _soft_embedding(self, processed: torch.Tensor) -> torch.Tensor:
-        """The next pass's self-conditioning signal (B, L, D), in row tiles 8x as wide as the sampler's
-        (a matmul of a few rows may round otherwise than the whole's)."""
-        flat = processed.view(-1, processed.shape[-1])
-        tiles = row_tiles(flat.shape[0], flat.shape[1], flat.element_size(), widen=8)
-        soft = torch.cat([self.runner.soft_embedding(flat[rows]) for rows in tiles])
-        return soft.view(*processed.shape[:-1], soft.shape[-1])
+            # in row tiles 8x as wide as the sampler's: a matmul of a few rows may round otherwise
+            self.soft = tiled(self.runner.soft_embedding, processed, widen=8)
 
     def _keep_grammar(self, processed: torch.Tensor, probs: torch.Tensor, accepted: torch.Tensor,
                       free_argmax: torch.Tensor, free_canvas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
