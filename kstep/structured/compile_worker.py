@@ -46,8 +46,9 @@ class CompileWorker:
         self._in_process = False
         self._lock = threading.Lock()
 
-    def start(self) -> None:
-        """Start a worker and load what every compile needs, before the first request waits for it."""
+    def start(self) -> tuple[ProcessPoolExecutor, Future]:
+        """Start a worker and load what every compile needs, before the first request waits for it;
+        the worker's pool and that first task."""
         with self._lock:
             if self._pool is None:
                 # spawn: a fork of a process with torch's threads is not safe
@@ -58,11 +59,11 @@ class CompileWorker:
                 except Exception as e:  # the OS refused a process
                     self._ready = Future()
                     self._ready.set_exception(e)
+            return self._pool, self._ready
 
     def plan(self, spec: StructuredSpec) -> Plan | Refusal:
         if not self._in_process:
-            self.start()
-            pool, ready = self._pool, self._ready
+            pool, ready = self.start()
             try:
                 ready.result()
             except Exception as e:

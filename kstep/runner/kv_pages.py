@@ -1,0 +1,103 @@
+"""The bookkeeping of a model's KV pool in fixed pages (issue 45): which pages are free, how many
+holders each granted page has (a prompt's pages shared by the prefix cache and its requests, a
+self-speculation draft forked from its row), and each row's page table: the physical slot of each
+logical slot a decoder writes or reads. Plain Python and one index tensor: the storage (per layer,
+slot-major) and attention through the tables are built on it.
+
+Page 0 is never granted: it is the trash page. A logical slot past a row's granted pages maps into
+it, so writes nobody reads (left padding, a block cache's spare slot) land somewhere harmless and a
+masked read stays finite. Free pages are handed out lowest first, so a row granted pages at once
+usually holds a consecutive run, which attention can read as a view instead of a gather."""
+import heapq
+
+import torch
+
+TRASH_PAGE = 0
+
+
+class PoolFull(Exception):
+    """Fewer free pages than asked for: the caller admits later, or preempts."""
+
+
+class PagePool:
+    """`num_pages` pages of `page_tokens` slots each; page 0 is the trash page (module note)."""
+
+    def __init__(self, num_pages: int, page_tokens: int):
+        if num_pages < 2 or page_tokens < 1:
+            raise ValueError(f"a page pool needs at least 2 pages (one is the trash page) of at least 1 token, "
+                             f"got {num_pages} pages of {page_tokens}")
+        self.num_pages, self.page_tokens = num_pages, page_tokens
+        self._free = list(range(1, num_pages))  # a heap: the lowest free page first
+        self._holders = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, num_slots: int) -> int:
+        """Pages that hold `num_slots` logical slots."""
+        return -(-num_slots // self.page_tokens)
+
+    def grant(self, num_pages: int) -> list[int]:
+        """`num_pages` free pages, lowest first, each with one holder; PoolFull (nothing granted) if
+        fewer are free."""
+        if num_pages > len(self._free):
+            raise PoolFull(f"{num_pages} pages asked for, {len(self._free)} free of {self.num_pages - 1}")
+        pages = [heapq.heappop(self._free) for _ in range(num_pages)]
+        for page in pages:
+            self._holders[page] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more holder for each of `pages` (granted ones)."""
+        self._check_granted(pages)
+        for page in pages:
+            self._holders[page] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """One holder fewer for each of `pages`; a page with none left is free again."""
+        self._check_granted(pages)
+        for page in pages:
+            self._holders[page] -= 1
+            if self._holders[page] == 0:
+                heapq.heappush(self._free, page)
+
+    def holders(self, page: int) -> int:
+        return self._holders[page]
+
+    def _check_granted(self, pages: list[int]) -> None:
+        idle = [page for page in pages if page == TRASH_PAGE or not 0 < page < self.num_pages
+                or self._holders[page] == 0]
+        if idle:
+            raise RuntimeError(f"internal: pages {idle} are not granted")
+
+
+class PageTable:
+    """One row's pages, in logical order: logical slot s is slot s % P of page pages[s // P]."""
+
+    def __init__(self, page_tokens: int, pages: list[int] | None = None):
+        self.page_tokens, self.pages = page_tokens, list(pages or [])
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.pages) * self.page_tokens
+
+    def slots(self, start: int, stop: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(stop - start,) int64 physical slots of logical slots [start, stop); those past the granted
+        pages are the trash page's."""
+        P = self.page_tokens
+        logical = range(start, stop)
+        return torch.tensor([(self.pages[s // P] if s // P < len(self.pages) else TRASH_PAGE) * P + s % P
+                             for s in logical], dtype=torch.long, device=device)
+
+    def run(self, start: int, stop: int) -> tuple[int, int] | None:
+        """The physical slots [a, b) of logical slots [start, stop) when they lie in consecutive
+        pages (one view of the storage, no gather), else None."""
+        if stop <= start:
+            return None
+        P = self.page_tokens
+        first, last = start // P, (stop - 1) // P
+        if last >= len(self.pages) or any(self.pages[i + 1] != self.pages[i] + 1 for i in range(first, last)):
+            return None
+        begin = self.pages[first] * P + start % P
+        return begin, begin + (stop - start)
