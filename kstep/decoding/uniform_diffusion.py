@@ -41,8 +41,6 @@ from kstep.runner.model_runner import ForwardPass, ModelRunner, positions_from_p
 from kstep.runner.pass_output import PassOutput
 
 
-
-
 class UniformDiffusionDecoder(Decoder):
     keeps_grammar = True
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
