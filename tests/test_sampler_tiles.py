@@ -13,6 +13,7 @@ from kstep.decoding.exact_draw import _draw, draw_one, is_exact
 from kstep.decoding.row_tiles import row_tiles
 from kstep.decoding.dream import _dream_rows, dream_logit_scores
 from kstep.decoding.sampling import OutputRules, _sample_rows, filter_logits, sample_tokens
+from kstep.decoding.walk_candidates import gumbel_ranked
 from kstep.params import GenerationParams
 
 
@@ -120,4 +121,13 @@ def test_dream_scores_in_tiles_are_whole(settings, dtype, monkeypatch):
     monkeypatch.setattr(row_tiles_module, "TILE_BYTES", 4 * 400 * logits.element_size())
     tiled = dream_logit_scores(logits, params, 399, tiled_generator)
     assert all(torch.equal(a, b) for a, b in zip(whole, tiled, strict=True))
+    assert torch.equal(whole_generator.get_state(), tiled_generator.get_state())
+
+
+def test_gumbel_top_k_in_tiles_is_whole(monkeypatch):
+    logits = torch.randn(3, 7, 300, generator=torch.Generator().manual_seed(6))
+    whole_generator, tiled_generator = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+    whole = gumbel_ranked(logits, 16, whole_generator)
+    monkeypatch.setattr(row_tiles_module, "TILE_BYTES", 2 * 300 * 4)
+    assert torch.equal(gumbel_ranked(logits, 16, tiled_generator), whole)
     assert torch.equal(whole_generator.get_state(), tiled_generator.get_state())

@@ -41,6 +41,8 @@ def test_a_test_server_s_port_is_one_no_process_is_handed_unasked():
         ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     except OSError:
         ephemeral_low = QUIET_PORTS[1]
+    if ephemeral_low <= QUIET_PORTS[0] + 100:
+        pytest.skip(f"this machine's ephemeral ports start at {ephemeral_low}: no quiet range below them")
     ports = [free_port() for _ in range(20)]
     assert all(QUIET_PORTS[0] <= p < min(QUIET_PORTS[1], ephemeral_low) for p in ports) and len(set(ports)) > 1
 

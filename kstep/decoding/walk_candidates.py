@@ -23,10 +23,10 @@ mask bit by bit on the host and needs no transfer per position, but for the rare
 import numpy as np
 import torch
 
+from kstep.decoding.row_tiles import tiled
 from kstep.structured.token_mask import count, has, nth, unpack
 
 TOP_K = 16
-NOISE_CHUNK = 1 << 22  # noise elements drawn at once (float64: 32 MB), whatever the canvas and vocabulary
 
 
 def ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -37,15 +37,12 @@ def ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def gumbel_ranked(logits: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
     """(..., V) -> (..., k): `ranked` of logits + Gumbel noise (float64, as sampling.py's Gumbel-max),
-    drawn NOISE_CHUNK elements at a time."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    step = max(1, NOISE_CHUNK // logits.shape[-1])
-    parts = []
-    for start in range(0, len(flat), step):
-        part = flat[start:start + step].double()
+    in row tiles (row_tiles.py: the noise drawn in row order, as one draw over every row would)."""
+    def rows(part: torch.Tensor) -> torch.Tensor:
+        part = part.double()
         noise = torch.rand(part.shape, generator=generator, dtype=torch.float64, device=part.device)
-        parts.append(ranked(part - torch.log(-torch.log(noise)), k))
-    return torch.cat(parts).view(*logits.shape[:-1], k)
+        return ranked(part - torch.log(-torch.log(noise)), k)
+    return tiled(rows, logits)
 
 
 class WalkCandidates:
