@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from kstep.flags import add_command, add_device_flags, add_knob_flags, params_from_args
+from kstep.flags import add_command, add_device_flags, add_knob_flags, add_memory_flags, check_memory_flags, params_from_args
 from kstep.params import SELF_DRAFT
 from kstep.structured import StructuredSpec
 
@@ -39,6 +39,7 @@ def add_generate(sub) -> None:
                           "(lookup in the prompt and output, no model); for a diffusion model 'self' (lossless "
                           "self-speculation: --exact's tokens in fewer passes, --num-draft-tokens per pass)")
     add_device_flags(gen, parallel=True)
+    add_memory_flags(gen)
     shape = gen.add_mutually_exclusive_group()  # a structured output (kstep/structured): one of them
     shape.add_argument("--json-schema", default=None, metavar="FILE", help="the output is JSON matching this schema")
     shape.add_argument("--regex", default=None, metavar="R", help="the output matches this regular expression")
@@ -62,9 +63,11 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError("no prompt given: pass PROMPT text or --prompt-ids")
     if any(p == "" for p in args.prompts) or any(not ids for ids in args.prompt_ids):
         raise ValueError("prompt is empty: give at least one token")
+    check_memory_flags(args)
     llm = load(args.model, device=args.device, dtype=args.dtype, draft=args.draft, quantize=args.quantize,
                tensor_parallel_size=args.tensor_parallel_size,
-               distributed_executor_backend=args.distributed_executor_backend or "mp")
+               distributed_executor_backend=args.distributed_executor_backend or "mp",
+               kv_cache_memory=args.kv_cache_memory, memory_utilization=args.memory_utilization)
     prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompts]
     if args.suffix is not None and args.suffix_ids is not None:
         raise ValueError("--suffix and --suffix-ids: give one")

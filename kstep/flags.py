@@ -71,6 +71,27 @@ def add_device_flags(parser: argparse.ArgumentParser, threads: bool = False, par
         parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
+def add_memory_flags(parser: argparse.ArgumentParser) -> None:
+    """The KV pool's budget (kstep/runner/memory_budget.py): one flag or the other, per model."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                       help="bytes of the KV pool every request's cache comes from, per model (e.g. 2GiB, 512MiB); "
+                            "requests wait for its pages; one too big for it alone is refused")
+    group.add_argument("--memory-utilization", type=float, default=None, metavar="FRACTION",
+                       help="size the KV pool as this fraction of the memory left once the weights are loaded "
+                            "(RAM, or the GPU's; container and ulimit limits count); default 0.5, at most 32 "
+                            "whole contexts")
+
+
+def check_memory_flags(args: argparse.Namespace) -> None:
+    """A bad size or fraction fails before any model loads, naming the flag."""
+    from kstep.runner.memory_budget import parse_size
+    if args.kv_cache_memory is not None:
+        parse_size(args.kv_cache_memory)
+    if args.memory_utilization is not None and not 0 < args.memory_utilization <= 1:
+        raise ValueError(f"--memory-utilization {args.memory_utilization} must be in (0, 1]")
+
+
 def set_threads(threads: int | None) -> None:
     if threads is not None:
         if threads <= 0:

@@ -13,7 +13,7 @@ import torch
 
 from kstep.budget.planner import PassCosts, Plan, plan
 from kstep.bundled import resolve_model
-from kstep.decoding.drafters import NGRAM
+from kstep.decoding.drafters import NGRAM, check_draft
 from kstep.decoding.loop import decode_alone
 from kstep.outputs import GenerationResult
 from kstep.params import AUTOREGRESSIVE, DIFFUSION, SELF_SPECULATION, GenerationParams, knob_applies
@@ -22,6 +22,7 @@ from kstep.decoding.table import grammar_refusal, make_decoder
 from kstep.params.context import check_context
 from kstep.params.family_defaults import checkpoint_defaults, knob_defaults
 from kstep.registry import FAMILIES
+from kstep.runner.kv_pool import make_kv_pools
 from kstep.runner.prefix_cache import PrefixCache
 from kstep.loading import load_runner
 from kstep.runner.model_runner import ModelRunner
@@ -36,7 +37,8 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
                  draft: "str | Path | LLM | None" = None, quantize: str | None = None, tensor_parallel_size: int = 1,
-                 distributed_executor_backend: str = "mp"):
+                 distributed_executor_backend: str = "mp", kv_cache_memory: int | str | None = None,
+                 memory_utilization: float | None = None, kv_pool: bool = True):
         self.path = resolve_model(path)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -58,12 +60,15 @@ class LLM:
         self.checkpoint_defaults = self._checkpoint_defaults()
         # draft: None, "ngram" (lookup in the text itself, no model), or an AR model over the same vocabulary.
         self.draft: LLM | str | None = draft if draft in (None, NGRAM) or isinstance(draft, LLM) else \
-            LLM(draft, device, dtype, quantize=quantize)
+            LLM(draft, device, dtype, quantize=quantize, kv_pool=False)  # its pool: a share of this one's budget
         if self.draft == NGRAM and self.is_diffusion:
             raise ValueError(f"speculative decoding (draft {NGRAM!r}) needs an autoregressive model, "
                              f"not {self.path.name} ({self.cfg.family})")
         if isinstance(self.draft, LLM):
-            self._check_draft(self.draft)
+            check_draft(self, self.draft)
+        if kv_pool:  # a draft model it loaded shares its budget
+            make_kv_pools([self.runner, getattr(self.draft, "runner", None)], self.device, kv_cache_memory,
+                          memory_utilization)
         self.grammar = ModelGrammar(self.path / "tokenizer.json" if self.tokenizer else None, self.cfg.vocab_size,
                                     self.stop_ids, self.cfg.mask_token_id)  # structured outputs (kstep/structured)
 
@@ -71,17 +76,6 @@ class LLM:
         """Knob values the checkpoint's generation_config.json gives (params/family_defaults.py)."""
         path = self.path / "generation_config.json"
         return checkpoint_defaults(self.family, read_json(path) if path.is_file() else {})
-
-    def _check_draft(self, draft: "LLM") -> None:
-        """A draft must be an AR model over the same vocabulary: its token ids mean the target's."""
-        if self.is_diffusion or draft.is_diffusion:
-            raise ValueError("speculative decoding needs an autoregressive target and draft "
-                             f"({self.path.name}: {self.cfg.family}, draft {draft.path.name}: {draft.cfg.family})")
-        same = draft.cfg.vocab_size == self.cfg.vocab_size
-        if same and self.tokenizer is not None and draft.tokenizer is not None:
-            same = self.tokenizer.vocab() == draft.tokenizer.vocab()
-        if not same:
-            raise ValueError(f"draft {draft.path} does not share the target's tokenizer/vocabulary")
 
     @property
     def is_diffusion(self) -> bool:
@@ -289,11 +283,14 @@ def is_one_prompt(prompt) -> bool:
 
 def load(path: str | Path = "default", device: str | torch.device = "cpu",
          dtype: str | torch.dtype = "float32", draft: str | Path | None = None, quantize: str | None = None,
-         tensor_parallel_size: int = 1, distributed_executor_backend: str = "mp") -> LLM:
+         tensor_parallel_size: int = 1, distributed_executor_backend: str = "mp",
+         kv_cache_memory: int | str | None = None, memory_utilization: float | None = None) -> LLM:
     """Load a checkpoint directory (config.json + safetensors [+ tokenizer.json]) or a bundled model
     by name (`default`, `default-ar`, `default-draft`) for generation; `draft` adds a draft model
     (or "ngram": n-gram lookup, no model) for speculative decoding (`num_draft_tokens`); `quantize`
     ("int8" or "int4") quantizes the linear layers' weights at load time; `tensor_parallel_size`
     splits the model over that many processes (kstep/distributed: CUDA devices, or CPU cores), its
-    other ranks started by `distributed_executor_backend`: "mp" (processes) or "ray" (Ray actors)."""
-    return LLM(path, device, dtype, draft, quantize, tensor_parallel_size, distributed_executor_backend)
+    other ranks started by `distributed_executor_backend`: "mp" (processes) or "ray" (Ray actors).
+    `kv_cache_memory` ("2GiB") or `memory_utilization` sizes its KV pool (runner/memory_budget.py)."""
+    return LLM(path, device, dtype, draft, quantize, tensor_parallel_size, distributed_executor_backend,
+               kv_cache_memory, memory_utilization)

@@ -105,7 +105,8 @@ def fake_request(name: str, prompts: list[list[int]], max_tokens: int, num_draft
 def run(engine: Engine, arrivals: dict[int, list[Request]], abort_at: dict[int, str] | None = None,
         max_steps: int = 200) -> tuple[dict[str, list[RequestOutput]], list[StepStats]]:
     """Step the engine until it is idle; `arrivals[i]` are added (and `abort_at[i]` aborted) before
-    step i. Returns each request's outputs in order and the stats of every step that ran passes."""
+    step i. Returns each request's outputs in order (not the one saying it joined the batch) and the
+    stats of every step that ran passes."""
     outputs: dict[str, list[RequestOutput]] = {}
     stats: list[StepStats] = []
     for i in range(max_steps):
@@ -117,7 +118,8 @@ def run(engine: Engine, arrivals: dict[int, list[Request]], abort_at: dict[int, 
             return outputs, stats
         step_outputs, step_stats = engine.step()
         for out in step_outputs:
-            outputs.setdefault(out.request_id, []).append(out)
+            if not out.admitted:
+                outputs.setdefault(out.request_id, []).append(out)
         if step_stats is not None:
             stats.append(step_stats)
     raise AssertionError(f"the engine still has work after {max_steps} steps")

@@ -1,4 +1,5 @@
-"""The autoregressive baseline: prefill once, then one cached decode pass per token.
+"""The autoregressive baseline: prefill once (in chunks, under the engine's token budget), then one
+cached decode pass per token.
 
 The KV cache is preallocated for prompt + max_tokens by the runner, so there is no recomputation
 of the prefix and no per-step allocation; it is the honest baseline diffusion is compared with.
@@ -36,7 +37,7 @@ class AutoregressiveDecoder(Decoder):
         # Prefix caching needs every row to hold the same unpadded prompt (one prompt, n samples).
         same_rows = key_mask is None and bool((prompts == prompts[:1]).all())
         self.prefix_cache = resources.prefix_cache if same_rows else None
-        self.num_cached_tokens = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache gave (None: not looked up yet)
         self.stop_ids, self.pad_id, self.generator = stop_ids, pad_id, generator
         B, P = prompts.shape
         N = params.max_tokens
@@ -50,22 +51,28 @@ class AutoregressiveDecoder(Decoder):
         self.out = torch.full((B, N), pad_id, dtype=torch.long, device=prompts.device)
         self.finished = torch.zeros(B, dtype=torch.bool, device=prompts.device)
         self.num_generated, self.nfe, self.is_finished = 0, 0, False
+        self.prefilled = 0  # prompt columns in the cache (a prefill in chunks: fewer than P until its last)
         self.pending = 1  # tokens at the end of `out` the next pass takes (more after a jump forward)
         self.lengths = [0] * B  # committed tokens per row (up to and including its stop token)
         self.row_nfe = [0] * B  # passes each row needed
         self.row_done = [False] * B
 
     def next_passes(self) -> list[ForwardPass]:
-        return [] if self.is_finished else asking([self._next_pass()], self.top)
+        forward = None if self.is_finished else self._next_pass()
+        return [] if forward is None else asking([forward], self.top)
 
-    def _next_pass(self) -> ForwardPass:
-        if self.num_generated == 0:
-            start = 0
-            if self.prefix_cache is not None:  # at least the last prompt token runs: its logits pick token 1
-                start = self.prefix_cache.load(self.prompts[0].tolist(), self.kv, self.prompts.shape[1] - 1)
-                self.num_cached_tokens = start
-            return self.runner.causal_pass(self.prompts[:, start:], self.positions[:, start:], self.key_mask, start,
-                                           self.kv)
+    def _next_pass(self) -> ForwardPass | None:
+        if self.num_generated == 0:  # the prefill, whole or its next chunk (base.Decoder.prefill_chunk)
+            start, P = self.prefilled, self.prompts.shape[1]
+            if self.num_cached_tokens is None:  # at least the last prompt token runs: its logits pick token 1
+                start = self.prefilled = self.num_cached_tokens = 0 if self.prefix_cache is None else \
+                    self.prefix_cache.load(self.prompts[0].tolist(), self.kv, P - 1)
+            end = P if self.prefill_chunk is None else min(P, start + self.prefill_chunk)
+            if self.prefill_budget is not None and (end - start) * self.prompts.shape[0] > self.prefill_budget:
+                return None  # waits for a step with room
+            self.prefilled = end
+            return self.runner.causal_pass(self.prompts[:, start:end], self.positions[:, start:end], self.key_mask,
+                                           start, self.kv)
         t, k = self.num_generated, self.pending  # completion token j sits at the last prompt position + j + 1
         positions = self.positions[:, -1:] + torch.arange(t - k + 1, t + 1, device=self.out.device)  # (B, k)
         return self.runner.causal_pass(self.out[:, t - k:t], positions, self.key_mask,
@@ -74,14 +81,17 @@ class AutoregressiveDecoder(Decoder):
     def update(self, outputs: list[PassOutput]) -> StepOutput:
         """Sample the next token from the last position's outputs (B, 1)."""
         p = self.params
+        if not outputs or self.prefilled < self.prompts.shape[1]:  # a prefill chunk, or none: nothing to sample
+            self.nfe += len(outputs)
+            return StepOutput([[] for _ in self.lengths], self.lengths, self.row_done, self.row_nfe, self.nfe, False)
         [out] = outputs
+        self.nfe += 1
         if self.num_generated == 0 and self.prefix_cache is not None:
             self.prefix_cache.store(self.prompts[0].tolist(), self.kv)
         out = constrain(out[:, -1:], self.num_generated, self.output_rules)
         token = pick_tokens(out[:, -1], p.temperature, self.generator, p.top_k, p.top_p)  # (B,)
         if self.grammar is not None:
             token = self._keep(token)
-        self.nfe += 1
         self.row_nfe = [n + (not done) for n, done in zip(self.row_nfe, self.row_done, strict=True)]
         new = self._append(token)
         self.pending = 1

@@ -85,6 +85,12 @@ class Decoder(ABC):
     is_finished: bool = False
     keeps_grammar: bool = False        # it applies DecodeBatch.constraint (kstep/structured/constraint.py)
     constraint: "Constraint | None" = None  # the batch's, once LLM.make_decoder built it (its figures)
+    # Chunked prefill (the engine's --max-num-batched-tokens): a prompt runs in chunks of `prefill_chunk`
+    # tokens, one a step (None: whole), at fixed boundaries, so its numbers do not depend on its neighbours;
+    # a chunk larger than `prefill_budget` (what the step has left; None: go) waits for a later step.
+    # A decoder whose passes cannot be split takes no notice.
+    prefill_chunk: int | None = None
+    prefill_budget: int | None = None
 
     def __init__(self, runner: ModelRunner, batch: DecodeBatch, params: GenerationParams,
                  resources: DecoderResources = DecoderResources()):

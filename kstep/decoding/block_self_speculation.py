@@ -33,7 +33,8 @@ class BlockSelfSpeculativeDecoder(Decoder):
         self.tokens = torch.zeros(B, bs, dtype=torch.long, device=device)
         self.confidence = torch.zeros(B, bs, device=device)
         self.verified = torch.zeros(B, num_draft_tokens, dtype=torch.bool, device=device)
-        self.draft_kv = None  # (B * K rows): allocated with the first drafts
+        # (B * K rows) from the KV pool when the request joins (admission counts them)
+        self.draft_kv = exact.runner.allocate_kv(B * num_draft_tokens, exact.canvas.shape[1] + exact.spare_slots)
         self.kinds: list[str] = []
         self.nfe, self.is_finished = 0, exact.is_finished
         self.tally = DraftTally(B, device, "exact")
@@ -104,8 +105,6 @@ class BlockSelfSpeculativeDecoder(Decoder):
         self.tokens[starting], self.confidence[starting] = tokens[starting], confidence[starting]
         self.has_pred |= starting
         K = self.num_draft
-        if self.draft_kv is None:
-            self.draft_kv = ex.runner.allocate_kv(len(starting) * K, ex.canvas.shape[1] + ex.spare_slots)
         src = starting.nonzero()[:, 0].tolist()
         ex.runner.copy_kv(ex.kv, self.draft_kv, [b for b in src for _ in range(K)],
                           [b * K + k for b in src for k in range(K)])

@@ -186,3 +186,15 @@ class SelfDrafter:
 
     def release(self) -> None:
         self.kv = None
+
+
+def check_draft(target, draft) -> None:
+    """A draft (an LLM) must be an AR model over the target's vocabulary: its token ids mean the target's."""
+    if target.is_diffusion or draft.is_diffusion:
+        raise ValueError("speculative decoding needs an autoregressive target and draft "
+                         f"({target.path.name}: {target.cfg.family}, draft {draft.path.name}: {draft.cfg.family})")
+    same = draft.cfg.vocab_size == target.cfg.vocab_size
+    if same and target.tokenizer is not None and draft.tokenizer is not None:
+        same = target.tokenizer.vocab() == draft.tokenizer.vocab()
+    if not same:
+        raise ValueError(f"draft {draft.path} does not share the target's tokenizer/vocabulary")

@@ -45,7 +45,9 @@ class SelfSpeculativeDecoder(Decoder):
         self.row_nfe = torch.zeros(B, dtype=torch.long, device=device)
         self.chain: torch.Tensor | None = None  # (B, K, L) the drafts; None: the block starts with a pass
         self.in_chain = self.verified = torch.zeros(B, num_draft_tokens, dtype=torch.bool, device=device)
-        self.draft_kv = None  # with a cache: K rows per batch row, allocated with the first drafts
+        # with a cache: K rows per batch row, from the KV pool when the request joins (admission counts them)
+        self.draft_kv = None if exact.kv is None else exact.runner.allocate_kv(B * num_draft_tokens,
+                                                                                exact.canvas.shape[1])
         self.nfe, self.is_finished = 0, exact.is_finished
         cache = exact.params.cache
         self.tally = DraftTally(B, device, "exact" if cache in (None, "none") else f"exact, cache {cache}")
@@ -93,8 +95,6 @@ class SelfSpeculativeDecoder(Decoder):
         ex, K = self.exact, self.num_draft
         if ex.kv is None:
             return
-        if self.draft_kv is None:
-            self.draft_kv = ex.runner.allocate_kv(rows.shape[0] * K, ex.canvas.shape[1])
         src = rows.nonzero()[:, 0].tolist()
         ex.runner.copy_kv(ex.kv, self.draft_kv, [b for b in src for _ in range(K)],
                           [b * K + k for b in src for k in range(K)])

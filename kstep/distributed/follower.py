@@ -7,6 +7,7 @@ import torch
 from kstep.distributed.messages import (PASS_FIELDS, CopyKV, Execute, KVHandle, Message, PassDescription,
                                         PrefixLoad, RankReport, ReplayOp, Report, SoftEmbedding, Stop)
 from kstep.layers.attention import KVCache
+from kstep.runner.kv_pool import KVPool
 from kstep.runner.model_runner import ForwardPass, ModelRunner
 from kstep.runner.prefix_cache import PrefixCache
 
@@ -29,7 +30,12 @@ class Follower:
         if handle is None:
             return None
         if handle.kv_id not in self.caches:
-            self.caches[handle.kv_id] = self.runner.allocate_kv(handle.batch, handle.length)
+            pool = self.runner.kv_pool
+            if pool is None:  # rank 0's shape, this rank's heads (its budget's share)
+                runner = self.runner
+                pool = runner.kv_pool = KVPool(runner.model.kv_geometry(), handle.pool_pages, handle.page_tokens,
+                                               runner.device, runner.dtype)
+            self.caches[handle.kv_id] = pool.views_at(handle.first_page, handle.batch, handle.length)
         return self.caches[handle.kv_id]
 
     def rebuild(self, d: PassDescription) -> ForwardPass:

@@ -15,10 +15,15 @@ from kstep.runner.top_tokens import TopRequest
 
 @dataclass(frozen=True, slots=True)
 class KVHandle:
-    """Rank 0's KV cache as the other ranks know theirs: its id and the size to allocate it at."""
+    """Rank 0's KV cache as the other ranks know theirs: its id, its size, and where its run of pages
+    starts in rank 0's pool (of `pool_pages` pages of `page_tokens`): each rank places its own at the
+    same pages of a pool of the same shape, so rank 0's page books hold for all (runner/kv_pool.py)."""
     kv_id: int
     batch: int
     length: int
+    first_page: int
+    pool_pages: int
+    page_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

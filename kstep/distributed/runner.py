@@ -34,6 +34,7 @@ from kstep.distributed.group import TIMEOUT, TPGroup
 from kstep.distributed.messages import (PASS_FIELDS, CopyKV, Execute, KVHandle, Message, PassDescription, PrefixLoad,
                                         PrefixStore, ReplayOp, Report, SoftEmbedding, Stop)
 from kstep.layers.attention import KVCache
+from kstep.runner.kv_pool import PagedKV
 from kstep.runner.model_runner import ForwardPass, ModelRunner
 from kstep.runner.prefix_cache import PrefixCache
 
@@ -45,19 +46,14 @@ class GroupLost(RuntimeError):
     is_fatal = True
 
 
-class SharedKV(list):
-    """Rank 0's KV cache (its heads' tensors, per layer), known to the other ranks by `kv_id`."""
-    kv_id: int
-    batch: int
-    length: int
-
-
 def _cpu(value):
     return value.to("cpu") if isinstance(value, torch.Tensor) else value
 
 
-def _handle(kv: SharedKV | None) -> KVHandle | None:
-    return None if kv is None else KVHandle(kv.kv_id, kv.batch, kv.length)
+def _handle(kv: PagedKV | None) -> KVHandle | None:
+    """Rank 0's cache (its heads' views of its pool, per layer) as the other ranks know it."""
+    return None if kv is None else KVHandle(kv.kv_id, kv.batch, kv.length, kv.first_page, kv.pool_pages,
+                                            kv.page_tokens)
 
 
 def describe(p: ForwardPass) -> PassDescription:
@@ -102,8 +98,8 @@ class TensorParallelRunner(ModelRunner):
         self.lost: str | None = None  # why the group cannot go on, once it cannot
 
     def allocate_kv(self, batch: int, length: int) -> KVCache:
-        kv = SharedKV(super().allocate_kv(batch, length))
-        kv.kv_id, kv.batch, kv.length = next(self._ids), batch, length
+        kv = super().allocate_kv(batch, length)
+        kv.kv_id, kv.pool_pages, kv.page_tokens = next(self._ids), self.kv_pool.pages.num_pages, self.kv_pool.page_tokens
         weakref.finalize(kv, self._freed.append, kv.kv_id)  # deque.append: safe from any thread's collection
         return kv
 

@@ -8,8 +8,9 @@ packs their tokens (one pass per model), reads the weights once, and keeps atten
 so a request's output does not depend on its neighbours. Requests join at any step and leave when
 done (continuous batching).
 """
+import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,8 +20,11 @@ from kstep.engine.text_stream import TextStream, canvas_pieces, render_canvas
 from kstep.llm import LLM
 from kstep.outputs import StepOutput
 from kstep.params import DIFFUSION, knob_applies
+from kstep.runner.kv_pages import PoolFull
+from kstep.runner.kv_pool import KVBudgetExceeded
 from kstep.runner.model_runner import execute_passes
 
+WAIT = object()  # a request whose KV pages are not free yet: back to the head of the queue
 
 @dataclass(slots=True, frozen=True)
 class RequestLimits:
@@ -46,12 +50,16 @@ class StepStats:
     num_tokens: int              # tokens run through the models
     seconds: float
     num_committed: int           # tokens newly committed across the batch
+    queue_seconds: list[float] = field(default_factory=list)  # the requests that joined: arrival to joining
 
 
 class Engine:
     def __init__(self, llm: LLM, max_batch_size: int = 16, max_queue: int = 256, prefix_cache_bytes: int = 0,
-                 limits: RequestLimits = RequestLimits()):
+                 limits: RequestLimits = RequestLimits(), max_num_batched_tokens: int | None = None):
+        if max_num_batched_tokens is not None and max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be > 0")
         self.llm, self.limits = llm, limits
+        self.max_num_batched_tokens = max_num_batched_tokens  # a step's tokens: prefills go in chunks under it
         self.scheduler = Scheduler(max_batch_size, max_queue)
         # AR and block-diffusion prompts share keys (causal across blocks); a canvas diffusion model's do not.
         # A cached block must hold whole model blocks (a block's keys depend on all of it).
@@ -61,6 +69,7 @@ class Engine:
         self.prefix_cache = llm.runner.make_prefix_cache(prefix_cache_bytes, cache_block) \
             if prefix_cache_bytes > 0 and shares_prefixes else None
         self.streams: dict[str, list[TextStream]] = {}
+        self._refused_at: int | None = None  # free pages when the queue's head last found too few (None: it did not)
         self.step_seconds = 0.0  # recent steps' time (moving average): what a joining request waits per pass
 
     def load_seconds(self) -> float:
@@ -84,14 +93,22 @@ class Engine:
 
     @torch.inference_mode()  # the decoders' own tensor work too, not only the forward pass
     def step(self) -> tuple[list[RequestOutput], StepStats | None]:
-        batch, admitted = self.scheduler.schedule()
-        outputs = [out for r in admitted if (out := self._admit(r)) is not None]
+        batch, admitted = self.scheduler.schedule(may_admit=self._pages_freed_since_refusal())
+        outputs, joined = [], []
+        for i, request in enumerate(admitted):
+            out = self._admit(request)
+            if out is WAIT:  # its pages are not free: it and those after it wait, in order (first come, first served)
+                self.scheduler.requeue(admitted[i:])
+                break
+            outputs.append(out)
+            if out.admitted:
+                joined.append(request.admitted_time - request.arrival_time)
         batch = [r for r in batch if r.decoder is not None]
         self._drop_streams_of_aborted(batch)
         if not batch:
             return outputs, None
         start = time.perf_counter()
-        passes = [r.decoder.next_passes() for r in batch]
+        passes = self._next_passes(batch)
         flat = [p for request_passes in passes for p in request_passes]
         logits = iter(execute_passes(flat))
         step_outputs = [r.decoder.update([next(logits) for _ in ps]) for r, ps in zip(batch, passes, strict=True)]
@@ -105,11 +122,27 @@ class Engine:
         self._observe_plans(batch)
         outputs += [self._output(r, out) for r, out in zip(batch, step_outputs, strict=True)]
         stats = StepStats(len(batch), len({id(p.runner) for p in flat}), sum(p.num_tokens for p in flat),
-                          time.perf_counter() - start, sum(out.num_committed for out in step_outputs))
+                          time.perf_counter() - start, sum(out.num_committed for out in step_outputs),
+                          joined)
         self.step_seconds = stats.seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * stats.seconds
         if self.llm.pass_costs.is_calibrated:  # a request alone: its step refreshes the planner's table
             self.llm.pass_costs.observe_step(flat, stats.seconds)
         return outputs, stats
+
+    def _next_passes(self, batch: list[Request]) -> list[list]:
+        """Each request's passes for this step. Under a token budget, prefill chunks take what the
+        others' passes leave (in arrival order: running requests first); one that does not fit waits,
+        except the step's first (a long prompt always moves on, one chunk a step)."""
+        if self.max_num_batched_tokens is None:
+            return [r.decoder.next_passes() for r in batch]
+        left, prefilled, out = self.max_num_batched_tokens, False, [[] for _ in batch]
+        for i in sorted(range(len(batch)), key=lambda i: batch[i].decoder.nfe == 0):  # those under way first
+            decoder = batch[i].decoder
+            decoder.prefill_budget = left if prefilled else None
+            out[i] = decoder.next_passes()
+            left -= sum(p.num_tokens for p in out[i])
+            prefilled |= any(p.kind == "prefill" for p in out[i])
+        return out
 
     def _observe_plans(self, batch: list[Request]) -> None:
         """A time-budgeted request that ran alone tells the planner how far its plans scatter here."""
@@ -128,23 +161,62 @@ class Engine:
                 request.is_finished, request.limit = True, limit
                 self.scheduler.finish(request)
 
-    def _admit(self, request: Request) -> RequestOutput | None:
-        """Create the request's decoder (allocates its KV cache); a failure fails only this request."""
+    def _pages_freed_since_refusal(self) -> bool:
+        """Whether admitting is worth a try: no request waits for pages, or some were freed since."""
+        return self._refused_at is None or self._free_pages() > self._refused_at
+
+    def _free_pages(self) -> int:
+        return sum(runner.kv_pool.pages.num_free for runner in self._runners() if runner.kv_pool is not None)
+
+    def _runners(self):
+        drafter = self.llm.drafter
+        return [self.llm.runner] + ([drafter] if hasattr(drafter, "kv_pool") else [])
+
+    def _admit(self, request: Request) -> RequestOutput | object:
+        """Create the request's decoder, its KV caches from the model's pool: the request's admitted
+        output; WAIT when the pool has not the pages free now; a failure fails only this request (a 400
+        when its caches exceed the whole pool: it could never run)."""
         request.admitted_time = time.monotonic()
-        try:
-            request.decoder = self.llm.make_decoder(request.rows, request.params, self.prefix_cache,
-                                                    request.include_canvas, request.per_row(request.first_tokens),
-                                                    request.per_row(request.suffixes) or None, request.grammar)
-        except (ValueError, RuntimeError) as e:  # e.g. out of memory for its cache
-            self.scheduler.finish(request)
-            return RequestOutput(request.request_id, [], 0, is_finished=True, error=str(e))
+        for attempt in range(2):
+            try:
+                request.decoder = self._make_decoder(request)
+                break
+            except PoolFull:
+                pass  # out of the except clause: a half-made decoder's caches go with its traceback
+            except KVBudgetExceeded as e:
+                return self._refuse(request, str(e), 400, "kv_budget_exceeded")
+            except (ValueError, RuntimeError) as e:  # e.g. out of memory for a step's work
+                return self._refuse(request, str(e), 500, "engine_error")
+            if any(r.decoder is not None for r in self.scheduler.running if r is not request):
+                self._refused_at = self._free_pages()  # the others free pages as they finish
+                return WAIT
+            gc.collect()  # alone: only a cache held in a reference cycle can still free pages
+        else:
+            pools = ", ".join(f"{r.kv_pool.capacity_tokens} slots ({r.kv_pool.nbytes / 2**20:.1f} MiB)"
+                              for r in self._runners())
+            return self._refuse(request, f"this request's KV caches do not fit the model's KV pool even alone "
+                                         f"({pools}: --kv-cache-memory / --memory-utilization); ask for fewer "
+                                         "tokens or rows", 400, "kv_budget_exceeded")
+        self._refused_at = None
         given_back = request.per_row(request.given_back) or [""] * request.num_rows
         stop_ids = [] if request.params.ignore_eos else self.llm.stop_ids  # every token is the completion's
         grammar = request.decoder.constraint
         self.streams[request.request_id] = [TextStream(self.llm.tokenizer, stop_ids, request.stop, text,
                                                        None if grammar is None else lambda i=i: grammar.rows[i].is_free)
                                             for i, text in enumerate(given_back)]
-        return None
+        return RequestOutput(request.request_id, [], 0, admitted=True)
+
+    def _make_decoder(self, request: Request):
+        decoder = self.llm.make_decoder(request.rows, request.params, self.prefix_cache, request.include_canvas,
+                                        request.per_row(request.first_tokens), request.per_row(request.suffixes) or None,
+                                        request.grammar)
+        decoder.prefill_chunk = self.max_num_batched_tokens
+        return decoder
+
+    def _refuse(self, request: Request, message: str, status: int, code: str) -> RequestOutput:
+        self.scheduler.finish(request)
+        return RequestOutput(request.request_id, [], 0, is_finished=True, error=message, error_status=status,
+                             error_code=code)
 
     def _drop_streams_of_aborted(self, batch: list[Request]) -> None:
         running = {r.request_id for r in batch}

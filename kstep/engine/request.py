@@ -79,6 +79,7 @@ class RequestOutput:
     is_finished: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    admitted: bool = False           # the output that says the request joined the batch (its KV pages granted)
     error: str | None = None         # a request that failed inside the engine (the others keep running)
     error_status: int = 500          # ... its HTTP status: 500, or 503 when the server is shutting down
     error_code: str = "engine_error"

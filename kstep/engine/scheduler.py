@@ -1,4 +1,4 @@
-"""FCFS admission with a maximum batch and a bounded queue. Plain Python, no torch: it decides
+"""FCFS admission with a maximum batch and a bounded queue (and, told by the engine, KV pages). Plain Python, no torch: it decides
 which requests take part in the next step, and records what each step committed."""
 import threading
 from collections import deque
@@ -35,19 +35,30 @@ class Scheduler:
                     request.is_aborted = True
             self.waiting = deque(r for r in self.waiting if not r.is_aborted)
 
-    def schedule(self) -> tuple[list[Request], list[Request]]:
+    def schedule(self, may_admit: bool = True) -> tuple[list[Request], list[Request]]:
         """(the batch for the next step, the requests just admitted into it): running requests keep
-        their slots; waiting ones join in arrival order while there is room."""
+        their slots; waiting ones join in arrival order while there is room (and `may_admit`: the
+        engine knows the queue's head waits for KV pages that are not free yet)."""
         with self._lock:
             for request in self.running:
                 if request.is_aborted:
                     request.decoder = None  # its KV cache goes now, not when the last reference does
             self.running = [r for r in self.running if not r.is_aborted]
             admitted = []
-            while self.waiting and len(self.running) < self.max_batch_size:
+            while may_admit and self.waiting and len(self.running) < self.max_batch_size:
                 admitted.append(self.waiting.popleft())
                 self.running.append(admitted[-1])
             return list(self.running), admitted
+
+    def requeue(self, requests: list[Request]) -> None:
+        """Requests just admitted that must wait after all (their KV pages are not free): out of the
+        batch, back to the head of the queue in their order."""
+        with self._lock:
+            for request in requests:
+                request.decoder = None
+                if request in self.running:
+                    self.running.remove(request)
+            self.waiting.extendleft(reversed([r for r in requests if not r.is_aborted]))
 
     def update(self, batch: list[Request], outputs: list[StepOutput]) -> None:
         """Record each request's step; a finished request leaves the batch and drops its decoder."""

@@ -173,6 +173,12 @@ def _layer(block: nn.Module) -> tuple | None:
     return cached[1]
 
 
+def _slots_in_a_row(cache: torch.Tensor) -> bool:
+    """(1, Hkv, S, hd) with each head's S slots contiguous and heads a whole number of slots apart."""
+    hd = cache.shape[3]
+    return cache.stride(3) == 1 and cache.stride(2) == hd and cache.stride(1) % hd == 0
+
+
 def plan(block: nn.Module, x: torch.Tensor, segments: list[Segment], layer_idx: int,
          q_scale: torch.Tensor | None) -> _Layer | None:
     """The C description of the block where `forward` runs this pass of it (see the module's
@@ -188,9 +194,10 @@ def plan(block: nn.Module, x: torch.Tensor, segments: list[Segment], layer_idx: 
         return None
     k_cache, v_cache = seg.cache[layer_idx]
     # the C writes at slot cache_start of one sequence's (1, Hkv, S, hd) cache without bounds checks:
-    # anything else (a slot past the end, a cache of several rows) gets the torch path and its errors
-    if not (k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and k_cache.is_contiguous()
-            and v_cache.is_contiguous() and k_cache.device.type == "cpu" and k_cache.shape == v_cache.shape
+    # anything else (a slot past the end, a cache of several rows) gets the torch path and its errors.
+    # Each head's slots lie one after another (a view of the KV pool's storage: heads further apart).
+    if not (k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and _slots_in_a_row(k_cache)
+            and k_cache.stride() == v_cache.stride() and k_cache.device.type == "cpu" and k_cache.shape == v_cache.shape
             and k_cache.shape[0] == 1 and 0 <= seg.cache_start < k_cache.shape[2]
             and k_cache.shape[1] == block.attn.n_kv_heads and k_cache.shape[3] == block.attn.head_dim):
         return None
@@ -210,6 +217,7 @@ def forward(layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     y = torch.empty_like(x)
     cpu_kernels.library().kstep_decode_layer(ctypes.byref(layer), x.data_ptr(), y.data_ptr(), cos.data_ptr(),
                                              sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                             k_cache.shape[2], seg.cache_start, seg.cache_start + 1,
+                                             k_cache.stride(1) // k_cache.shape[3], seg.cache_start,
+                                             seg.cache_start + 1,
                                              torch.get_num_threads())
     return y

@@ -73,12 +73,17 @@ class DiffusionGemma(nn.Module):
             layer.mlp.fuse()
             layer.experts.fuse()
 
+    def kv_geometry(self) -> list[tuple[int, int]]:
+        """Per layer, its own (key/value heads, head dim) (tensor parallel: this rank's heads); every slot
+        is kept (a sliding layer reads only the window of it)."""
+        return [(layer.attn.n_kv_heads, hd) for layer, hd in zip(self.layers, self.cfg.layer_head_dims)]
+
     def allocate_kv(self, batch: int, length: int) -> KVCache:
-        """One sequence's cache, each layer in its own geometry (tensor parallel: this rank's key/value
-        heads); every slot is kept (a sliding layer reads only the window of it)."""
+        """A cache of its own, for the model called alone (the reference's checks); a runner's decoders
+        take theirs from its KV pool (runner/kv_pool.py)."""
         w = self.embed.weight
-        return allocate_layer_kv(batch, length, [layer.attn.n_kv_heads for layer in self.layers],
-                                 list(self.cfg.layer_head_dims), w.device, w.dtype)
+        heads, dims = zip(*self.kv_geometry())
+        return allocate_layer_kv(batch, length, list(heads), list(dims), w.device, w.dtype)
 
     def _embed_scale(self) -> float:
         """sqrt(d_model) rounded to the weight dtype first, as the reference's (53.0, not 53.07, in bf16)."""

@@ -16,8 +16,11 @@ class Network(Protocol):
     tp: object | None          # the tensor-parallel group that holds the other shards (None: one device)
     always_writes_kv: bool     # every pass writes a KV cache, a plain one too (DiffusionGemma's attention)
 
+    def kv_geometry(self) -> list[tuple[int, int]]:
+        """Per layer, its cache's (key/value heads, head dim): a KV pool's storage (runner/kv_pool.py)."""
+
     def allocate_kv(self, batch: int, length: int) -> KVCache:
-        """One sequence's zeroed KV cache of `length` slots, each layer in its own geometry."""
+        """A zeroed KV cache of its own, `length` slots, for the network called alone (not a runner's)."""
 
     def packed_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                              **modes) -> torch.Tensor:

@@ -90,11 +90,16 @@ class Transformer(nn.Module):
             layer.attn.fuse()
             layer.mlp.fuse()
 
+    def kv_geometry(self) -> list[tuple[int, int]]:
+        """Per layer, its cache's (key/value heads, head dim) (tensor parallel: this rank's heads)."""
+        return [(layer.attn.n_kv_heads, self.cfg.head_dim) for layer in self.layers]
+
     def allocate_kv(self, batch: int, length: int) -> KVCache:
-        """One sequence's cache (tensor parallel: this rank's key/value heads)."""
+        """A cache of its own, for the model called alone (training, the references' checks); a runner's
+        decoders take theirs from its KV pool (runner/kv_pool.py)."""
         w = self.embed.weight
-        return allocate_layer_kv(batch, length, [layer.attn.n_kv_heads for layer in self.layers],
-                                 [self.cfg.head_dim] * self.cfg.n_layers, w.device, w.dtype)
+        heads, dims = zip(*self.kv_geometry())
+        return allocate_layer_kv(batch, length, list(heads), list(dims), w.device, w.dtype)
 
     def packed_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                              segments: list[Segment]) -> torch.Tensor:

@@ -7,9 +7,8 @@ slot-major) and attention through the tables are built on it.
 Page 0 is never granted: it is the trash page. A logical slot past a row's granted pages maps into
 it, so writes nobody reads (left padding, a block cache's spare slot) land somewhere harmless and a
 masked read stays finite. Free pages are handed out lowest first, so a row granted pages at once
-usually holds a consecutive run, which attention can read as a view instead of a gather."""
-import heapq
-
+usually holds a consecutive run, which attention can read as a view instead of a gather; `grant_run`
+asks for a run outright (the first that fits)."""
 import torch
 
 TRASH_PAGE = 0
@@ -27,12 +26,20 @@ class PagePool:
             raise ValueError(f"a page pool needs at least 2 pages (one is the trash page) of at least 1 token, "
                              f"got {num_pages} pages of {page_tokens}")
         self.num_pages, self.page_tokens = num_pages, page_tokens
-        self._free = list(range(1, num_pages))  # a heap: the lowest free page first
+        # one byte per page, 1 = free: finding the lowest free page, or the first run of n, is a bytes search
+        self._is_free = bytearray(b"\x01") * num_pages
+        self._is_free[TRASH_PAGE] = 0
+        self._num_free = num_pages - 1
         self._holders = [0] * num_pages
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
+
+    @property
+    def capacity(self) -> int:
+        """Pages that can ever be granted (all but the trash page)."""
+        return self.num_pages - 1
 
     def pages_for(self, num_slots: int) -> int:
         """Pages that hold `num_slots` logical slots."""
@@ -41,12 +48,29 @@ class PagePool:
     def grant(self, num_pages: int) -> list[int]:
         """`num_pages` free pages, lowest first, each with one holder; PoolFull (nothing granted) if
         fewer are free."""
-        if num_pages > len(self._free):
-            raise PoolFull(f"{num_pages} pages asked for, {len(self._free)} free of {self.num_pages - 1}")
-        pages = [heapq.heappop(self._free) for _ in range(num_pages)]
-        for page in pages:
-            self._holders[page] = 1
+        if num_pages > self._num_free:
+            raise PoolFull(f"{num_pages} pages asked for, {self._num_free} free of {self.capacity}")
+        pages, at = [], 0
+        for _ in range(num_pages):
+            at = self._is_free.find(1, at + 1)
+            pages.append(at)
+        self._take(pages)
         return pages
+
+    def grant_run(self, num_pages: int) -> int:
+        """The first page of the lowest run of `num_pages` consecutive free pages, each granted with one
+        holder; PoolFull (nothing granted) when no run is free, though as many pages may be."""
+        at = self._is_free.find(b"\x01" * num_pages, 1) if 0 < num_pages <= self._num_free else -1
+        if at < 0:
+            raise PoolFull(f"{num_pages} consecutive pages asked for, {self._num_free} free of {self.capacity}"
+                           + (" (not consecutive)" if num_pages <= self._num_free else ""))
+        self._take(range(at, at + num_pages))
+        return at
+
+    def _take(self, pages) -> None:
+        for page in pages:
+            self._is_free[page], self._holders[page] = 0, 1
+        self._num_free -= len(pages)
 
     def share(self, pages: list[int]) -> None:
         """One more holder for each of `pages` (granted ones)."""
@@ -54,13 +78,14 @@ class PagePool:
         for page in pages:
             self._holders[page] += 1
 
-    def release(self, pages: list[int]) -> None:
+    def release(self, pages) -> None:
         """One holder fewer for each of `pages`; a page with none left is free again."""
         self._check_granted(pages)
         for page in pages:
             self._holders[page] -= 1
             if self._holders[page] == 0:
-                heapq.heappush(self._free, page)
+                self._is_free[page] = 1
+                self._num_free += 1
 
     def holders(self, page: int) -> int:
         return self._holders[page]

@@ -12,6 +12,8 @@ import torch
 
 from kstep.layers.attention import KVCache, Segment
 from kstep.models.network import Network
+from kstep.runner.kv_pool import DEFAULT_PAGE_TOKENS, KVBudgetExceeded, KVPool, bytes_per_token
+from kstep.runner.memory_budget import kv_budget
 from kstep.runner.prefix_cache import PrefixCache
 from kstep.runner.pass_output import PassOutput
 from kstep.runner.top_tokens import TopRequest, local_stats, merge
@@ -58,6 +60,7 @@ class ModelRunner:
         # Tensor parallel: a pass that asks for top tokens gets them from vocabulary-shard statistics
         # (one small gather) instead of gathered logits. One device: the logits, bit-equal to the references'.
         self.computes_top_tokens = model.tp is not None
+        self.kv_pool: KVPool | None = None  # made once the budget is known (make_kv_pool)
 
     def close(self) -> None:
         """Release what the runner holds beyond memory (a tensor-parallel group's ranks); one device: nothing."""
@@ -71,11 +74,33 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def make_kv_pool(self, budget_bytes: int | None = None, kv_cache_memory: int | str | None = None,
+                     memory_utilization: float | None = None) -> KVPool:
+        """The pool every cache of this model comes from, made once (runner/kv_pool.py): `budget_bytes`
+        outright, else sized by the flags' rule (runner/memory_budget.py). A block model's pages are
+        its blocks, others' DEFAULT_PAGE_TOKENS. Tensor parallel: the budget is the whole model's, each
+        rank holding its heads' share (the same pages)."""
+        geometry = self.model.kv_geometry()
+        page_tokens = self.cfg.block_size or DEFAULT_PAGE_TOKENS
+        ranks = 1 if self.model.tp is None else self.model.tp.size
+        if budget_bytes is None:
+            budget_bytes = kv_budget(self.device, ranks * bytes_per_token(geometry, self.dtype),
+                                     self.cfg.max_positions, kv_cache_memory, memory_utilization)
+        self.kv_pool = KVPool.within(budget_bytes // ranks, geometry, page_tokens, self.device, self.dtype)
+        return self.kv_pool
+
     def allocate_kv(self, batch: int, length: int) -> KVCache:
-        """Preallocate one sequence's KV cache for its whole life: no per-step allocation or concatenation."""
+        """One sequence's KV cache for its whole life, from the model's pool (no per-step allocation or
+        concatenation); PoolFull when its pages are not free now (the engine admits it later)."""
         if length > self.cfg.max_positions:
             raise ValueError(f"prompt + max_tokens ({length}) exceeds the model's context of {self.cfg.max_positions}")
-        return self.model.allocate_kv(batch, length)
+        pool = self.kv_pool or self.make_kv_pool()  # a runner built without one (a benchmark): the default
+        needed = batch * pool.pages.pages_for(length)
+        if needed > pool.pages.capacity:
+            raise KVBudgetExceeded(f"this request needs {needed * pool.page_tokens} KV slots ({batch} rows of "
+                                   f"{length}); the model's KV pool holds {pool.capacity_tokens} "
+                                   f"({pool.nbytes / 2**20:.1f} MiB: --kv-cache-memory / --memory-utilization)")
+        return pool.allocate(batch, length)
 
     def copy_kv(self, src: KVCache, dst: KVCache, src_rows: list[int], dst_rows: list[int]) -> None:
         """Copy rows of one KV cache into rows of another of the same length (every layer, every slot):

@@ -51,6 +51,7 @@ class ServedModel:
 class ServeConfig:
     api_key: str | None = None
     max_batch_size: int = 16
+    max_num_batched_tokens: int | None = 512  # a step's tokens: longer prefills in chunks (Engine)
     max_queue: int = 256
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256           # chat requests without max_tokens (completions: 16, as OpenAI)
@@ -72,9 +73,11 @@ def rank_check(llm: LLM) -> Callable[[], None] | None:
 
 
 def _route(m: ServedModel, config: ServeConfig, metrics: Metrics) -> ModelRoute:
-    engine = Engine(m.llm, config.max_batch_size, config.max_queue, config.prefix_cache_bytes, config.limits(m.llm))
+    engine = Engine(m.llm, config.max_batch_size, config.max_queue, config.prefix_cache_bytes, config.limits(m.llm),
+                    config.max_num_batched_tokens)
     model_metrics = metrics.for_model(m.name)
     model_metrics.watch(engine.scheduler)
+    model_metrics.watch_pools(m.llm)
     return ModelRoute(m.name, m.llm, m.defaults, AsyncEngine(engine, model_metrics.observe_step, m.executor,
                                                              rank_check(m.llm)), model_metrics)
 

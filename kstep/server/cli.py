@@ -3,7 +3,7 @@ import argparse
 import os
 from dataclasses import replace
 
-from kstep.flags import add_command, add_device_flags, add_knob_flags, knobs_given
+from kstep.flags import add_command, add_device_flags, add_knob_flags, add_memory_flags, check_memory_flags, knobs_given
 
 
 def add_serve(sub) -> None:
@@ -19,7 +19,11 @@ def add_serve(sub) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("KSTEP_API_KEY"),
                        help="require 'Authorization: Bearer KEY' (default: $KSTEP_API_KEY, else none)")
-    serve.add_argument("--max-batch-size", type=int, default=16, help="requests per forward pass")
+    serve.add_argument("--max-batch-size", "--max-num-seqs", dest="max_batch_size", type=int, default=16,
+                       help="requests per forward pass (at most; the KV pool's free pages may admit fewer)")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
+                       help="tokens per engine step: a longer prompt is prefilled in chunks of N, one a step, so "
+                            "it adds at most one chunk's time to the other streams' steps (AR models); default 512")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="chat max_tokens when not given")
@@ -36,6 +40,7 @@ def add_serve(sub) -> None:
                        help="the same for seconds in the batch (default 600, the openai client's own timeout; "
                             "0: no limit)")
     add_device_flags(serve, threads=True, parallel=True)
+    add_memory_flags(serve)
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--replicas", type=int, default=None,
                        help="serve on Ray Serve with this many replicas (each its own engines; a local Ray "
@@ -62,13 +67,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from kstep.server.model_specs import parse_model_spec
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix-cache-mib {args.prefix_cache_mib} must be >= 0")
-    for name in ("port", "max_batch_size", "max_queue", "max_body_bytes", "default_max_tokens"):
+    for name in ("port", "max_batch_size", "max_num_batched_tokens", "max_queue", "max_body_bytes", "default_max_tokens"):
         if getattr(args, name) <= 0 or (name == "port" and args.port > 65535):
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
     for name in ("graceful_timeout", "max_request_passes", "max_request_seconds"):
         value = getattr(args, name)
         if value is not None and not 0 <= value < float("inf"):
             raise ValueError(f"--{name.replace('_', '-')} {value} must be a number >= 0")
+    check_memory_flags(args)
     shared = knobs_given(args)
     GenerationParams(**shared)  # a bad default fails now, naming the flag's value
     specs = [parse_model_spec(text) for text in args.model or ["default"]]
@@ -87,8 +93,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--distributed-executor-backend {backend} with --replicas: a replica's ranks are Ray "
                          "actors in its placement group (ray)")
     options = LoadOptions(args.device, args.dtype, args.threads, args.draft, args.quantize, shared,
-                          args.tensor_parallel_size, backend)
-    config = ServeConfig(api_key=args.api_key, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                          args.tensor_parallel_size, backend, args.kv_cache_memory, args.memory_utilization)
+    config = ServeConfig(api_key=args.api_key, max_batch_size=args.max_batch_size,
+                         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          prefix_cache_bytes=args.prefix_cache_mib << 20, max_request_passes=args.max_request_passes,
                          max_request_seconds=args.max_request_seconds)

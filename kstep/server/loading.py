@@ -20,6 +20,8 @@ class LoadOptions:
     shared_defaults: dict = field(default_factory=dict)   # decoding defaults for every model that takes them
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"              # ranks 1..N-1 as processes ("mp") or Ray actors ("ray")
+    kv_cache_memory: str | None = None                    # each model's KV pool (runner/memory_budget.py)
+    memory_utilization: float | None = None
 
 
 def check_spec(spec: ModelSpec, options: LoadOptions) -> None:
@@ -83,7 +85,8 @@ def load_served_models(specs: list[ModelSpec], options: LoadOptions, announce: s
         return load(spec.model, device=options.device, dtype=options.dtype, draft=draft,
                     quantize=spec.quantize or options.quantize,
                     tensor_parallel_size=spec.tensor_parallel_size or options.tensor_parallel_size,
-                    distributed_executor_backend=options.distributed_executor_backend)
+                    distributed_executor_backend=options.distributed_executor_backend,
+                    kv_cache_memory=options.kv_cache_memory, memory_utilization=options.memory_utilization)
     served = []
     for spec in specs:
         executor = torch_thread()  # each model's engine steps on its own thread

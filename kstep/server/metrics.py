@@ -29,6 +29,12 @@ class Metrics:
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("kstep_batch_size", "Requests per forward pass", m,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.kv_pool_pages = Gauge("kstep_kv_pool_pages", "KV pool pages by state (used, free, total); a draft "
+                                   "model's under MODEL/draft", ["model", "state"], registry=r)
+        self.kv_pool_bytes = Gauge("kstep_kv_pool_bytes", "KV pool budget: bytes its storage takes", m, registry=r)
+        self.queue_seconds = Histogram("kstep_queue_seconds", "Time from arrival to joining the batch (KV pages "
+                                       "granted)", m, buckets=(.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+                                       registry=r)
         self.queue_depth = Gauge("kstep_queue_depth", "Requests waiting for a batch slot", m, registry=r)
         self.running = Gauge("kstep_running_requests", "Requests in the running batch", m, registry=r)
         self.ttft = Histogram("kstep_time_to_first_token_seconds", "Time to the first streamed text", m,
@@ -81,12 +87,24 @@ class ModelMetrics:
         self.metrics.queue_depth.labels(self.model).set_function(lambda: scheduler.num_waiting)
         self.metrics.running.labels(self.model).set_function(lambda: scheduler.num_running)
 
+    def watch_pools(self, llm) -> None:
+        """The KV pool gauges read the pools at each scrape (the model's, and its draft model's)."""
+        pools = [(self.model, llm.runner.kv_pool), (f"{self.model}/draft", getattr(llm.drafter, "kv_pool", None))]
+        for label, pool in pools:
+            if pool is None:
+                continue
+            for state in ("used", "free", "total"):
+                self.metrics.kv_pool_pages.labels(label, state).set_function(lambda p=pool, s=state: p.usage()[s])
+            self.metrics.kv_pool_bytes.labels(label).set(pool.nbytes)
+
     def observe_step(self, stats: StepStats, engine: Engine) -> None:
         m, label = self.metrics, self.model
         m.forward_passes.labels(label).inc(stats.num_passes)
         m.step_tokens.labels(label).observe(stats.num_committed)
         m.step_seconds.labels(label).observe(stats.seconds)
         m.batch_size.labels(label).observe(stats.batch_size)
+        for seconds in stats.queue_seconds:
+            m.queue_seconds.labels(label).observe(seconds)
         for rank, pairs in enumerate(engine.llm.runner.expert_load() or []):
             m.expert_pairs.labels(label, str(rank)).set(pairs)
         if engine.prefix_cache is not None:

@@ -69,6 +69,8 @@ async def create_response(routes: Routes, body: ResponsesRequest, request: Reque
     reply = Reply(body, route, engine_request, calls_tools=bool(chat.tools) and chat.tool_choice_name() != "none")
     queue = routes.submit(route, request, engine_request, reply.stream)
     if body.stream:
+        if (gone := await reply.stream.admitted(queue, route.metrics)) is not None:
+            return gone
         return StreamingResponse(reply.events(queue), media_type="text/event-stream")
     return await reply.collect(queue)
 
@@ -186,7 +188,7 @@ class Reply:
             yield self._event("response.created", response=self.response("in_progress"))
             yield self._event("response.in_progress", response=self.response("in_progress"))
             while True:
-                out = await queue.get()
+                out = await stream.next_output(queue)
                 if out is CLIENT_GONE:
                     return
                 if out.error is not None:

@@ -277,5 +277,7 @@ class Routes:
         stream = Stream(response_id, route.name, chat, engine_request, prefixes, calls_tools, include_usage)
         queue = self.submit(route, request, engine_request, stream)
         if body.stream:
+            if (gone := await stream.admitted(queue, route.metrics)) is not None:
+                return gone
             return StreamingResponse(stream.events(queue, route.engine, route.metrics), media_type="text/event-stream")
         return await stream.collect(queue, route.metrics)

@@ -24,6 +24,12 @@ CLIENT_GONE = object()  # queued when the client disconnects: the response stops
 CLIENT_CLOSED_REQUEST = "499"
 
 
+def engine_error(out: RequestOutput) -> APIError:
+    """A request the engine failed or refused, as the HTTP error it answers with."""
+    kind = "invalid_request_error" if 400 <= out.error_status < 500 else "server_error"
+    return APIError(out.error_status, out.error, code=out.error_code, kind=kind)
+
+
 async def watch_disconnect(http_request: Request, on_gone: Callable[[], None]) -> None:
     """Call `on_gone` once the client has disconnected (cancel this task when the response is done:
     a completed response reads as a disconnect too)."""
@@ -38,6 +44,7 @@ class Stream:
     def __init__(self, response_id: str, model: str, chat: bool, engine_request: EngineRequest, prefixes: list[str],
                  calls_tools: bool = False, include_usage: bool = False):
         self.id, self.model, self.chat, self.request = response_id, model, chat, engine_request
+        self.held: list[RequestOutput] = []  # an output read before the response started (admitted)
         # OpenAI's stream_options.include_usage: "usage": null on every chunk, then one more chunk with no
         # choices and the usage; without it a stream carries no usage
         self.include_usage = include_usage
@@ -97,15 +104,35 @@ class Stream:
             queue.put_nowait(CLIENT_GONE)
         self.watcher = asyncio.create_task(watch_disconnect(http_request, gone))
 
+    async def next_output(self, queue: asyncio.Queue):
+        """The request's next engine output (or CLIENT_GONE)."""
+        return self.held.pop() if self.held else await queue.get()
+
+    async def admitted(self, queue: asyncio.Queue, metrics: ModelMetrics) -> Response | None:
+        """A stream's wait for the engine to admit its request before the response starts, so a request
+        refused at admission gets its HTTP status (a 400 for KV caches larger than the whole pool, a 503
+        at shutdown), not an event in a 200 stream. None once admitted; a 499 when the client left."""
+        out = await self.next_output(queue)
+        if out is CLIENT_GONE:
+            self.watcher.cancel()
+            metrics.observe_request(CLIENT_CLOSED_REQUEST)
+            return Response(status_code=499)
+        if out.error is not None:
+            self.watcher.cancel()
+            raise engine_error(out)
+        if not out.admitted:  # (the engine's first output is its admission's: kept all the same)
+            self.held.append(out)
+        return None
+
     async def collect(self, queue: asyncio.Queue, metrics: ModelMetrics):
         try:
             while True:
-                out = await queue.get()
+                out = await self.next_output(queue)
                 if out is CLIENT_GONE:
                     metrics.observe_request(CLIENT_CLOSED_REQUEST)
                     return Response(status_code=499)
                 if out.error is not None:
-                    raise APIError(out.error_status, out.error, code=out.error_code, kind="server_error")
+                    raise engine_error(out)
                 self._absorb(out)
                 if out.is_finished:
                     break
@@ -158,7 +185,7 @@ class Stream:
                 yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None} for i in range(self.request.num_rows)])
             while True:
-                out = await queue.get()
+                out = await self.next_output(queue)
                 if out is CLIENT_GONE:
                     return
                 if out.error is not None:

@@ -1,0 +1,62 @@
+"""Chunked prefill (issue 45): under a step budget (`max_num_batched_tokens`) a long AR prompt is
+prefilled in fixed chunks, one a step, packed with the running streams' decode passes: no step runs
+more than the budget plus one chunk, the streams commit a token every step while it prefills, and
+every output is the one the same request gets alone under the same budget (chunk boundaries do not
+depend on the neighbours). A chunk that does not fit what a step has left waits; the step's first
+prefill always goes."""
+import pytest
+import torch
+
+import kstep
+from kstep.engine.engine import Engine
+from kstep.engine.request import Request
+from kstep.random_checkpoint import write_random_checkpoint
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    return kstep.load(write_random_checkpoint(tmp_path_factory.mktemp("qwen2"), family="qwen2", seed=4))
+
+
+def _request(llm, prompt: list[int], max_tokens: int) -> Request:
+    return Request([prompt], llm.resolve(kstep.GenerationParams(max_tokens=max_tokens, temperature=0)))
+
+
+def _run(engine: Engine, requests: list[Request], join_after: dict[int, int] | None = None) -> list:
+    """Step until done; request i joins once `join_after[i]` steps have run. Every step's stats."""
+    join_after, steps = join_after or {}, []
+    pending = dict(enumerate(requests))
+    while pending or engine.has_work():
+        for i in [i for i in pending if join_after.get(i, 0) <= len(steps)]:
+            engine.add_request(pending.pop(i))
+        steps.append(engine.step()[1])
+    return steps
+
+
+def test_a_long_prompt_prefills_in_chunks_beside_running_streams(llm):
+    g = torch.Generator().manual_seed(0)
+    long_prompt = torch.randint(0, llm.cfg.vocab_size, (300,), generator=g).tolist()
+    short = [torch.randint(0, llm.cfg.vocab_size, (5,), generator=g).tolist() for _ in range(3)]
+    streams = [_request(llm, p, 24) for p in short]
+    long_request = _request(llm, long_prompt, 8)
+    steps = _run(Engine(llm, max_num_batched_tokens=CHUNK), streams + [long_request], {3: 2})
+    assert max(s.num_tokens for s in steps) <= CHUNK + len(streams)  # a chunk and the streams' decode tokens
+    prefill_steps = -(-len(long_prompt) // CHUNK)
+    assert long_request.nfe == prefill_steps + 7  # its chunks, then one pass a token
+    # while it prefilled (steps 2 .. 2 + prefill_steps) the streams went on committing a token each step
+    assert all(s.num_committed >= len(streams) for s in steps[2:2 + prefill_steps])
+    for request in streams + [long_request]:  # each as alone under the same budget
+        again = _request(llm, request.prompts[0], request.params.max_tokens)
+        _run(Engine(llm, max_num_batched_tokens=CHUNK), [again])
+        assert again.output_ids == request.output_ids
+
+
+def test_a_second_prefill_waits_for_a_step_with_room(llm):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, llm.cfg.vocab_size, (100,), generator=g).tolist() for _ in range(2)]
+    requests = [_request(llm, p, 4) for p in prompts]
+    steps = _run(Engine(llm, max_num_batched_tokens=CHUNK), requests)
+    assert max(s.num_tokens for s in steps) <= CHUNK + 1  # never both prompts' chunks in one step
+    assert len(steps) >= 2 * -(-100 // CHUNK) + 3  # so the second's chunks came after the first's
