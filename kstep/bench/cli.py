@@ -1,5 +1,5 @@
 """`kstep bench decode|compare|quant|ar|serve` (and moe|load|passes|tp|self-spec: sizes_cli.py; structured:
-structured_cli.py; stall: stall.py): the
+structured_cli.py; stall: stall.py; long-prompt: long_prompt.py): the
 benchmarks' flags and their checks. Every
 benchmark reports ratios against a baseline measured in the same run."""
 import argparse
@@ -20,10 +20,11 @@ def add_bench(sub) -> None:
     from kstep.bench.llamacpp.cli import add_llamacpp
     from kstep.bench.sizes_cli import add_load, add_moe, add_passes, add_self_spec, add_tp
     from kstep.bench.sampler import add_sampler
+    from kstep.bench.long_prompt import add_long_prompt
     from kstep.bench.stall import add_stall
     from kstep.bench.structured_cli import add_structured
     for add in (_add_decode, _add_compare, _add_quant, _add_ar, _add_serve, add_moe, add_load, add_passes, add_tp,
-                add_self_spec, add_structured, add_stall, add_sampler, add_llamacpp):
+                add_self_spec, add_structured, add_stall, add_long_prompt, add_sampler, add_llamacpp):
         add(kinds)
 
 

@@ -1,8 +1,9 @@
 """The autoregressive baseline: prefill once (in chunks, under the engine's token budget), then one
 cached decode pass per token.
 
-The KV cache is preallocated for prompt + max_tokens by the runner, so there is no recomputation
-of the prefix and no per-step allocation; it is the honest baseline diffusion is compared with.
+The KV cache comes from the model's pool (runner/kv_pool.py) and grows with the completion, its
+completion part doubling (so a request that stops early never held max_tokens' slots); there is no
+recomputation of the prefix; it is the honest baseline diffusion is compared with.
 Like the diffusion decoder it is a step machine (decoding/base.py), so the serving engine batches
 AR requests the same way.
 
@@ -20,6 +21,8 @@ from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, asking, positions_from_padding
 from kstep.runner.pass_output import PassOutput
+
+FIRST_GROWTH = 16  # completion slots a cache starts with; it doubles its completion part as it fills
 
 
 class AutoregressiveDecoder(Decoder):
@@ -41,7 +44,11 @@ class AutoregressiveDecoder(Decoder):
         self.stop_ids, self.pad_id, self.generator = stop_ids, pad_id, generator
         B, P = prompts.shape
         N = params.max_tokens
-        self.kv = runner.allocate_kv(B, P + N)
+        # The cache grows as the completion does (`_room`): the prompt and a first page now, all of it only
+        # if it fits the pool at all (a request that never could is refused now).
+        pool = runner.check_kv_fits(B, P + N)
+        self.whole_pages = lambda slots: min(P + N, pool.pages.pages_for(slots) * pool.page_tokens)
+        self.kv = runner.allocate_kv(B, self.whole_pages(P + min(N, FIRST_GROWTH)))
         if key_mask is not None:
             self.positions = positions_from_padding(key_mask)
             key_mask = torch.cat([key_mask, torch.ones(B, N, dtype=torch.bool, device=prompts.device)], dim=1)
@@ -74,9 +81,21 @@ class AutoregressiveDecoder(Decoder):
             return self.runner.causal_pass(self.prompts[:, start:end], self.positions[:, start:end], self.key_mask,
                                            start, self.kv)
         t, k = self.num_generated, self.pending  # completion token j sits at the last prompt position + j + 1
+        self._room(self.prompts.shape[1] + t)
         positions = self.positions[:, -1:] + torch.arange(t - k + 1, t + 1, device=self.out.device)  # (B, k)
         return self.runner.causal_pass(self.out[:, t - k:t], positions, self.key_mask,
                                        self.prompts.shape[1] + t - k, self.kv)
+
+    def _room(self, slots: int) -> None:
+        """A cache of at least `slots` slots: moved into one twice the completion's part so far (whole
+        pages, at most prompt + max_tokens) when it is short. PoolFull, nothing changed, when the pool has no room:
+        the engine preempts a request and asks again."""
+        if self.kv.length < slots:
+            P, have = self.prompts.shape[1], self.kv.length
+            self.kv = self.runner.grow_kv(self.kv, self.whole_pages(max(slots, P + 2 * (have - P))))
+
+    def reserve(self) -> None:
+        self._room(self.prompts.shape[1] + self.params.max_tokens)
 
     def update(self, outputs: list[PassOutput]) -> StepOutput:
         """Sample the next token from the last position's outputs (B, 1)."""

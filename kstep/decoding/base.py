@@ -104,6 +104,16 @@ class Decoder(ABC):
     def update(self, logits: list[torch.Tensor]) -> StepOutput:
         """Apply the step given each pass's logits, in the order `next_passes` returned them."""
 
+    def reserve(self) -> None:
+        """Take now every KV page it may need (PoolFull if they are not free): a request that resumes
+        after a preemption is not preempted again. Caches taken whole when it starts: nothing to do."""
+
+    def step_tokens(self) -> int:
+        """The most tokens one of its steps runs once under way (a prefill aside): what the engine's
+        step budget counts when it admits it. 0: one a row (a decode, the engine counts them);
+        whole-canvas decoders count their canvas."""
+        return 0
+
     def stats(self, row: int | None = None) -> dict[str, float | str]:
         """Decoder-specific figures for the result's timings (e.g. draft acceptance): the batch's, or
         row `row`'s own where the decoder counts them per row."""

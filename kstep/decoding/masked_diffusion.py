@@ -117,6 +117,10 @@ class DiffusionDecoder(Decoder, CanvasExactStep):
         key_mask = None if self.key_mask is None else torch.cat([self.key_mask, self.key_mask])
         return torch.cat([self.canvas, unconditional]), key_mask
 
+    def step_tokens(self) -> int:
+        """Its canvas (a block start's full pass; twice with classifier-free guidance)."""
+        return self.canvas.numel() * (1 if self.params.cfg_scale == 0 else 2)
+
     def next_passes(self) -> list[ForwardPass]:
         """The forward pass the next step needs: a full pass when uncached or at a block start,
         otherwise a window pass against the cache. Logits only for the block's columns still masked

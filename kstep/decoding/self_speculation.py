@@ -54,6 +54,10 @@ class SelfSpeculativeDecoder(Decoder):
 
     # --- the passes -------------------------------------------------------------------------------
 
+    def step_tokens(self) -> int:
+        """Its K drafts of the canvas (windows of it with a cache: counted whole, the first pass's size)."""
+        return self.exact.canvas.numel() * self.num_draft
+
     def next_passes(self) -> list[ForwardPass]:
         if self.is_finished:
             return []

@@ -82,6 +82,10 @@ class UniformDiffusionDecoder(Decoder):
             return 0 if self.canvas_idx == 0 else self.prompt_width + (self.canvas_idx - 1) * self.canvas_length
         return self.prompt_width + self.canvas_idx * self.canvas_length
 
+    def step_tokens(self) -> int:
+        """Its canvas: every denoising pass runs all of it."""
+        return self.completions.shape[0] * self.canvas_length
+
     def next_passes(self) -> list[ForwardPass]:
         if self.is_finished:
             return []

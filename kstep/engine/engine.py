@@ -9,8 +9,9 @@ so a request's output does not depend on its neighbours. Requests join at any st
 done (continuous batching).
 """
 import gc
+import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -69,7 +70,8 @@ class Engine:
         self.prefix_cache = llm.runner.make_prefix_cache(prefix_cache_bytes, cache_block) \
             if prefix_cache_bytes > 0 and shares_prefixes else None
         self.streams: dict[str, list[TextStream]] = {}
-        self._refused_at: int | None = None  # free pages when the queue's head last found too few (None: it did not)
+        self._refused_at: int | None = None  # scheduler.departed when the queue's head last could not join
+        self.preemptions = 0  # requests preempted so far (their KV pages taken back to let another grow)
         self.step_seconds = 0.0  # recent steps' time (moving average): what a joining request waits per pass
 
     def load_seconds(self) -> float:
@@ -83,6 +85,8 @@ class Engine:
         they are (resolving compiles a structured output's grammar: not on the event loop)."""
         if not request.params.is_resolved:
             request.params = self.llm.resolve(request.params)
+        if request.params.seed is None:  # its own draws, so that a preempted request draws the same again
+            request.params = replace(request.params, seed=random.getrandbits(63))
         self.scheduler.add(request)
 
     def abort(self, request_id: str) -> None:
@@ -93,7 +97,8 @@ class Engine:
 
     @torch.inference_mode()  # the decoders' own tensor work too, not only the forward pass
     def step(self) -> tuple[list[RequestOutput], StepStats | None]:
-        batch, admitted = self.scheduler.schedule(may_admit=self._pages_freed_since_refusal())
+        may_admit = self._refused_at is None or self.scheduler.departed > self._refused_at
+        batch, admitted = self.scheduler.schedule(may_admit)
         outputs, joined = [], []
         for i, request in enumerate(admitted):
             out = self._admit(request)
@@ -109,12 +114,14 @@ class Engine:
             return outputs, None
         start = time.perf_counter()
         passes = self._next_passes(batch)
+        passes = [ps for r, ps in zip(batch, passes) if r.decoder is not None]  # the preempted have left
+        batch = [r for r in batch if r.decoder is not None]
         flat = [p for request_passes in passes for p in request_passes]
         logits = iter(execute_passes(flat))
         step_outputs = [r.decoder.update([next(logits) for _ in ps]) for r, ps in zip(batch, passes, strict=True)]
         for r in batch:
             if r.decoder.is_finished:  # before the scheduler drops the decoder
-                r.stats = r.decoder.stats()
+                r.stats = {**r.decoder.stats(), **({"preemptions": r.preemptions} if r.preemptions else {})}
                 if r.decoder.constraint is not None:  # a structured output's figures (structured/constraint.py)
                     r.stats.update(r.decoder.constraint.stats())
         self.scheduler.update(batch, step_outputs)
@@ -130,19 +137,33 @@ class Engine:
         return outputs, stats
 
     def _next_passes(self, batch: list[Request]) -> list[list]:
-        """Each request's passes for this step. Under a token budget, prefill chunks take what the
-        others' passes leave (in arrival order: running requests first); one that does not fit waits,
-        except the step's first (a long prompt always moves on, one chunk a step)."""
-        if self.max_num_batched_tokens is None:
-            return [r.decoder.next_passes() for r in batch]
-        left, prefilled, out = self.max_num_batched_tokens, False, [[] for _ in batch]
-        for i in sorted(range(len(batch)), key=lambda i: batch[i].decoder.nfe == 0):  # those under way first
-            decoder = batch[i].decoder
-            decoder.prefill_budget = left if prefilled else None
-            out[i] = decoder.next_passes()
-            left -= sum(p.num_tokens for p in out[i])
-            prefilled |= any(p.kind == "prefill" for p in out[i])
-        return out
+        """Each request's passes for this step, those under way first (in the order they joined). A
+        decoder whose cache cannot grow (PoolFull) has the newest request not yet asked preempted (maybe
+        itself: then it has none). Under a token budget, prefill chunks take what the others' passes
+        leave; one that does not fit waits, except the step's first (a long prompt always moves on)."""
+        budget, prefilled, out = self.max_num_batched_tokens, False, {}
+        order = sorted(batch, key=lambda r: r.decoder.nfe == 0)
+        for i, request in enumerate(order):
+            while request.decoder is not None:
+                request.decoder.prefill_budget = budget if prefilled else None
+                try:
+                    out[id(request)] = passes = request.decoder.next_passes()
+                except PoolFull:
+                    self._preempt(next(r for r in reversed(order[i:]) if r.decoder is not None))
+                    continue
+                if budget is not None:
+                    budget -= sum(p.num_tokens for p in passes)
+                prefilled |= any(p.kind == "prefill" for p in passes)
+                break
+        return [out.get(id(r), []) for r in batch]
+
+    def _preempt(self, request: Request) -> None:
+        """Its KV pages go back; it waits at the head of the queue and resumes by recomputing what it
+        had committed (the same draws: its own seed), which it does not send again."""
+        request.preempt()
+        self.scheduler.requeue([request])
+        self.scheduler.departed += 1  # pages freed: the queue's head may try again
+        self.preemptions += 1
 
     def _observe_plans(self, batch: list[Request]) -> None:
         """A time-budgeted request that ran alone tells the planner how far its plans scatter here."""
@@ -160,13 +181,6 @@ class Engine:
             if not request.is_finished and (limit := self.limits.reached(request.nfe, now - request.admitted_time)):
                 request.is_finished, request.limit = True, limit
                 self.scheduler.finish(request)
-
-    def _pages_freed_since_refusal(self) -> bool:
-        """Whether admitting is worth a try: no request waits for pages, or some were freed since."""
-        return self._refused_at is None or self._free_pages() > self._refused_at
-
-    def _free_pages(self) -> int:
-        return sum(runner.kv_pool.pages.num_free for runner in self._runners() if runner.kv_pool is not None)
 
     def _runners(self):
         drafter = self.llm.drafter
@@ -188,7 +202,7 @@ class Engine:
             except (ValueError, RuntimeError) as e:  # e.g. out of memory for a step's work
                 return self._refuse(request, str(e), 500, "engine_error")
             if any(r.decoder is not None for r in self.scheduler.running if r is not request):
-                self._refused_at = self._free_pages()  # the others free pages as they finish
+                self._refused_at = self.scheduler.departed  # the others free pages as they finish
                 return WAIT
             gc.collect()  # alone: only a cache held in a reference cycle can still free pages
         else:
@@ -197,20 +211,40 @@ class Engine:
             return self._refuse(request, f"this request's KV caches do not fit the model's KV pool even alone "
                                          f"({pools}: --kv-cache-memory / --memory-utilization); ask for fewer "
                                          "tokens or rows", 400, "kv_budget_exceeded")
+        if not self._fits_step_budget(request):
+            request.decoder, self._refused_at = None, self.scheduler.departed
+            return WAIT
         self._refused_at = None
         given_back = request.per_row(request.given_back) or [""] * request.num_rows
         stop_ids = [] if request.params.ignore_eos else self.llm.stop_ids  # every token is the completion's
         grammar = request.decoder.constraint
-        self.streams[request.request_id] = [TextStream(self.llm.tokenizer, stop_ids, request.stop, text,
-                                                       None if grammar is None else lambda i=i: grammar.rows[i].is_free)
-                                            for i, text in enumerate(given_back)]
+        is_text = [None if grammar is None else lambda i=i: grammar.rows[i].is_free for i in range(request.num_rows)]
+        if request.request_id in self.streams:  # it resumes after a preemption: its text so far was sent
+            for stream, row_is_text in zip(self.streams[request.request_id], is_text):
+                stream.is_text = row_is_text or stream.is_text
+        else:
+            self.streams[request.request_id] = [TextStream(self.llm.tokenizer, stop_ids, request.stop, text, row_is_text)
+                                                for text, row_is_text in zip(given_back, is_text)]
         return RequestOutput(request.request_id, [], 0, admitted=True)
+
+    def _fits_step_budget(self, request: Request) -> bool:
+        """Whether the request's steps fit the step budget beside the running ones' (a whole-canvas
+        diffusion pass counts its canvas, an AR decode its rows): a step's activations and logits stay
+        bounded. The first request always joins."""
+        if self.max_num_batched_tokens is None:
+            return True
+        others = [max(r.decoder.step_tokens(), r.num_rows) for r in self.scheduler.running
+                  if r is not request and r.decoder is not None]
+        mine = max(request.decoder.step_tokens(), request.num_rows)
+        return not others or sum(others) + mine <= self.max_num_batched_tokens
 
     def _make_decoder(self, request: Request):
         decoder = self.llm.make_decoder(request.rows, request.params, self.prefix_cache, request.include_canvas,
                                         request.per_row(request.first_tokens), request.per_row(request.suffixes) or None,
                                         request.grammar)
         decoder.prefill_chunk = self.max_num_batched_tokens
+        if request.preemptions:  # it resumes: every page it may need now, so it is not preempted again
+            decoder.reserve()
         return decoder
 
     def _refuse(self, request: Request, message: str, status: int, code: str) -> RequestOutput:
@@ -219,11 +253,14 @@ class Engine:
                              error_code=code)
 
     def _drop_streams_of_aborted(self, batch: list[Request]) -> None:
-        running = {r.request_id for r in batch}
-        for request_id in [r for r in self.streams if r not in running]:
+        kept = {r.request_id for r in batch} | {r.request_id for r in self.scheduler.waiting if r.preemptions}
+        for request_id in [r for r in self.streams if r not in kept]:
             self.streams.pop(request_id)
 
     def _output(self, request: Request, out: StepOutput) -> RequestOutput:
+        if request.error is not None:
+            self.streams.pop(request.request_id, None)
+            return RequestOutput(request.request_id, [], request.nfe, is_finished=True, error=request.error)
         streams = self.streams[request.request_id]
         choices = []
         for index, (stream, committed) in enumerate(zip(streams, request.output_ids, strict=True)):

@@ -36,15 +36,37 @@ class Request:
     is_finished: bool = False
     output_ids: list[list[int]] = field(default_factory=list)  # per row, the committed tokens so far
     nfe: int = 0                     # the request's forward passes so far
+    preemptions: int = 0             # times its KV pages were taken back (it then resumed by recomputing)
+    replayed: list[list[int]] | None = None  # while it recomputes: per row, the tokens committed again so far
+    error: str | None = None         # why it failed inside the engine, if it did
 
     def append(self, out: StepOutput) -> None:
-        """Record one step of the request's decoder."""
+        """Record one step of the request's decoder. While it recomputes after a preemption, the
+        tokens it commits again must be the ones it had (checked: else it ends with `error`, the text
+        sent never contradicted); only those past them are new."""
         if not self.output_ids:
             self.output_ids = [[] for _ in out.new_token_ids]
-        for row, new in zip(self.output_ids, out.new_token_ids, strict=True):
-            row.extend(new)
+        if self.replayed is not None:
+            for row, (had, again, new) in enumerate(zip(self.output_ids, self.replayed, out.new_token_ids, strict=True)):
+                again.extend(new)
+                if again[:len(had)] != had[:len(again)]:
+                    self.error = (f"request {self.request_id}: after its preemption, row {row} recomputed other "
+                                  "tokens than it had sent (rounding in a recomputed prefill); it ends here")
+                    self.is_finished = True
+                    return
+                had.extend(again[len(had):])
+            if all(len(again) >= len(had) for had, again in zip(self.output_ids, self.replayed)):
+                self.replayed = None
+        else:
+            for row, new in zip(self.output_ids, out.new_token_ids, strict=True):
+                row.extend(new)
         self.nfe = out.nfe
         self.is_finished = out.is_finished
+
+    def preempt(self) -> None:
+        """Its decoder (and KV pages) go; it keeps what it committed, which it recomputes when it resumes."""
+        self.decoder, self.preemptions = None, self.preemptions + 1
+        self.replayed = [[] for _ in self.output_ids] if self.output_ids else None
 
     @property
     def num_rows(self) -> int:

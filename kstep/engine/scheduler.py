@@ -18,6 +18,7 @@ class Scheduler:
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.departed = 0  # requests that have left the batch so far (the engine retries a refused admission after one)
         self._lock = threading.Lock()  # requests arrive on the event loop while a step runs in its thread
 
     def add(self, request: Request) -> None:
@@ -43,6 +44,7 @@ class Scheduler:
             for request in self.running:
                 if request.is_aborted:
                     request.decoder = None  # its KV cache goes now, not when the last reference does
+                    self.departed += 1
             self.running = [r for r in self.running if not r.is_aborted]
             admitted = []
             while may_admit and self.waiting and len(self.running) < self.max_batch_size:
@@ -73,6 +75,7 @@ class Scheduler:
         with self._lock:
             if request in self.running:
                 self.running.remove(request)
+                self.departed += 1
 
     @property
     def num_waiting(self) -> int:

@@ -144,3 +144,21 @@ def make_kv_pools(runners: list, device: torch.device, kv_cache_memory: int | st
                                      memory_utilization)
     for runner, share in zip(runners, per_token):
         runner.make_kv_pool(budget * share // sum(per_token))
+
+
+def pool_for(model, device: torch.device, dtype: torch.dtype, budget_bytes: int | None = None) -> KVPool:
+    """A network's pool: `budget_bytes` (else the default budget, memory_budget.py). A block model's
+    pages are its blocks, others' DEFAULT_PAGE_TOKENS. Tensor parallel: the budget is the whole model's,
+    each rank holding its heads' share (the same pages)."""
+    geometry, ranks = model.kv_geometry(), 1 if model.tp is None else model.tp.size
+    if budget_bytes is None:
+        budget_bytes = memory_budget.kv_budget(device, ranks * bytes_per_token(geometry, dtype), model.cfg.max_positions)
+    return KVPool.within(budget_bytes // ranks, geometry, model.cfg.block_size or DEFAULT_PAGE_TOKENS, device, dtype)
+
+
+def copy_rows(src: PagedKV, dst: PagedKV, src_rows: list[int], dst_rows: list[int]) -> None:
+    """Rows of one cache into rows of another, every layer, the slots both have."""
+    for (k, v), (dk, dv) in zip(src, dst):
+        n = min(k.shape[2], dk.shape[2])
+        dk[dst_rows, :, :n] = k[src_rows, :, :n]
+        dv[dst_rows, :, :n] = v[src_rows, :, :n]

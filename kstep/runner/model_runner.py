@@ -12,8 +12,7 @@ import torch
 
 from kstep.layers.attention import KVCache, Segment
 from kstep.models.network import Network
-from kstep.runner.kv_pool import DEFAULT_PAGE_TOKENS, KVBudgetExceeded, KVPool, bytes_per_token
-from kstep.runner.memory_budget import kv_budget
+from kstep.runner.kv_pool import KVBudgetExceeded, KVPool, copy_rows, pool_for
 from kstep.runner.prefix_cache import PrefixCache
 from kstep.runner.pass_output import PassOutput
 from kstep.runner.top_tokens import TopRequest, local_stats, merge
@@ -74,19 +73,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def make_kv_pool(self, budget_bytes: int | None = None, kv_cache_memory: int | str | None = None,
-                     memory_utilization: float | None = None) -> KVPool:
-        """The pool every cache of this model comes from, made once (runner/kv_pool.py): `budget_bytes`
-        outright, else sized by the flags' rule (runner/memory_budget.py). A block model's pages are
-        its blocks, others' DEFAULT_PAGE_TOKENS. Tensor parallel: the budget is the whole model's, each
-        rank holding its heads' share (the same pages)."""
-        geometry = self.model.kv_geometry()
-        page_tokens = self.cfg.block_size or DEFAULT_PAGE_TOKENS
-        ranks = 1 if self.model.tp is None else self.model.tp.size
-        if budget_bytes is None:
-            budget_bytes = kv_budget(self.device, ranks * bytes_per_token(geometry, self.dtype),
-                                     self.cfg.max_positions, kv_cache_memory, memory_utilization)
-        self.kv_pool = KVPool.within(budget_bytes // ranks, geometry, page_tokens, self.device, self.dtype)
+    def make_kv_pool(self, budget_bytes: int | None = None) -> KVPool:
+        """The pool every cache of this model comes from, made once (runner/kv_pool.py: `budget_bytes`,
+        else the default budget)."""
+        self.kv_pool = pool_for(self.model, self.device, self.dtype, budget_bytes)
         return self.kv_pool
 
     def allocate_kv(self, batch: int, length: int) -> KVCache:
@@ -94,20 +84,31 @@ class ModelRunner:
         concatenation); PoolFull when its pages are not free now (the engine admits it later)."""
         if length > self.cfg.max_positions:
             raise ValueError(f"prompt + max_tokens ({length}) exceeds the model's context of {self.cfg.max_positions}")
+        return self.check_kv_fits(batch, length).allocate(batch, length)
+
+    def check_kv_fits(self, batch: int, length: int) -> KVPool:
+        """The pool, once sure a cache of `batch` rows of `length` slots fits it when empty
+        (KVBudgetExceeded: a request that could never run)."""
         pool = self.kv_pool or self.make_kv_pool()  # a runner built without one (a benchmark): the default
         needed = batch * pool.pages.pages_for(length)
         if needed > pool.pages.capacity:
             raise KVBudgetExceeded(f"this request needs {needed * pool.page_tokens} KV slots ({batch} rows of "
                                    f"{length}); the model's KV pool holds {pool.capacity_tokens} "
                                    f"({pool.nbytes / 2**20:.1f} MiB: --kv-cache-memory / --memory-utilization)")
-        return pool.allocate(batch, length)
+        return pool
+
+    def grow_kv(self, kv: KVCache, length: int) -> KVCache:
+        """`kv` moved into a cache of `length` slots (its slots copied; PoolFull, nothing changed, when
+        the pool has no run for it): an AR request's cache grows as it decodes."""
+        grown = self.allocate_kv(kv.batch, length)
+        rows = list(range(kv.batch))
+        self.copy_kv(kv, grown, rows, rows)
+        return grown
 
     def copy_kv(self, src: KVCache, dst: KVCache, src_rows: list[int], dst_rows: list[int]) -> None:
-        """Copy rows of one KV cache into rows of another of the same length (every layer, every slot):
-        a block model's self-speculation gives each draft a row holding the prefix's keys."""
-        for (k, v), (dk, dv) in zip(src, dst):
-            dk[dst_rows] = k[src_rows]
-            dv[dst_rows] = v[src_rows]
+        """Copy rows of one KV cache into rows of another (every layer, the slots both have): a block
+        model's self-speculation gives each draft a row holding the prefix's keys; a growing cache."""
+        copy_rows(src, dst, src_rows, dst_rows)
 
     def make_prefix_cache(self, budget_bytes: int, block_size: int) -> PrefixCache:
         """A prefix cache for this model's requests (a tensor-parallel runner's is kept on every rank)."""

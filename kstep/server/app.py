@@ -51,7 +51,7 @@ class ServedModel:
 class ServeConfig:
     api_key: str | None = None
     max_batch_size: int = 16
-    max_num_batched_tokens: int | None = 512  # a step's tokens: longer prefills in chunks (Engine)
+    max_num_batched_tokens: int | None = 2048  # a step's tokens: admission, and longer prefills in chunks (Engine)
     max_queue: int = 256
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256           # chat requests without max_tokens (completions: 16, as OpenAI)

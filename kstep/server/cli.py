@@ -21,9 +21,11 @@ def add_serve(sub) -> None:
                        help="require 'Authorization: Bearer KEY' (default: $KSTEP_API_KEY, else none)")
     serve.add_argument("--max-batch-size", "--max-num-seqs", dest="max_batch_size", type=int, default=16,
                        help="requests per forward pass (at most; the KV pool's free pages may admit fewer)")
-    serve.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
-                       help="tokens per engine step: a longer prompt is prefilled in chunks of N, one a step, so "
-                            "it adds at most one chunk's time to the other streams' steps (AR models); default 512")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                       help="tokens per engine step: a request joins when its steps fit beside the running ones' "
+                            "(a diffusion canvas counts whole), and a longer AR prompt is prefilled in chunks of N, "
+                            "one a step, adding at most one chunk's time to the other streams' steps; default 2048 "
+                            "(on a CPU, 256 keeps streams smooth)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="chat max_tokens when not given")

@@ -31,6 +31,8 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.kv_pool_pages = Gauge("kstep_kv_pool_pages", "KV pool pages by state (used, free, total); a draft "
                                    "model's under MODEL/draft", ["model", "state"], registry=r)
+        self.preemptions = Counter("kstep_preemptions", "Requests preempted (KV pages taken back so another could "
+                                   "grow; each resumed by recomputing)", m, registry=r)
         self.kv_pool_bytes = Gauge("kstep_kv_pool_bytes", "KV pool budget: bytes its storage takes", m, registry=r)
         self.queue_seconds = Histogram("kstep_queue_seconds", "Time from arrival to joining the batch (KV pages "
                                        "granted)", m, buckets=(.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300),
@@ -80,6 +82,7 @@ class ModelMetrics:
 
     def __init__(self, metrics: Metrics, model: str):
         self.metrics, self.model = metrics, model
+        self.preemptions_seen = 0
 
     def watch(self, scheduler: Scheduler) -> None:
         """The queue and batch gauges read the scheduler at each scrape, so they drop the moment a
@@ -105,6 +108,8 @@ class ModelMetrics:
         m.batch_size.labels(label).observe(stats.batch_size)
         for seconds in stats.queue_seconds:
             m.queue_seconds.labels(label).observe(seconds)
+        m.preemptions.labels(label).inc(engine.preemptions - self.preemptions_seen)
+        self.preemptions_seen = engine.preemptions
         for rank, pairs in enumerate(engine.llm.runner.expert_load() or []):
             m.expert_pairs.labels(label, str(rank)).set(pairs)
         if engine.prefix_cache is not None:

@@ -67,6 +67,8 @@ class Stream:
             usage.update(draft_tokens=out.stats["drafted_tokens"], accepted_draft_tokens=out.stats["accepted_tokens"])
         if "positions_computed" in out.stats:
             usage["positions_computed"] = out.stats["positions_computed"]
+        if "preemptions" in out.stats:  # its KV pages were taken back, and it recomputed (the same output)
+            usage["preemptions"] = out.stats["preemptions"]
         if self.request.plan is not None:  # a time budget: what was planned, beside what happened
             usage.update(time_budget=self.request.params.time_budget, planned_passes=self.request.plan.passes,
                          predicted_seconds=round(self.request.plan.predicted_seconds, 6))

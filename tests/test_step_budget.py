@@ -1,4 +1,6 @@
-"""Chunked prefill (issue 45): under a step budget (`max_num_batched_tokens`) a long AR prompt is
+"""The step budget (issue 45, `max_num_batched_tokens`). Whole-canvas diffusion requests join only
+while their passes fit it beside the running ones' (the first always joins), so a step's activations
+and logits stay bounded; their outputs are as alone. Chunked prefill: under the budget (`max_num_batched_tokens`) a long AR prompt is
 prefilled in fixed chunks, one a step, packed with the running streams' decode passes: no step runs
 more than the budget plus one chunk, the streams commit a token every step while it prefills, and
 every output is the one the same request gets alone under the same budget (chunk boundaries do not
@@ -60,3 +62,15 @@ def test_a_second_prefill_waits_for_a_step_with_room(llm):
     steps = _run(Engine(llm, max_num_batched_tokens=CHUNK), requests)
     assert max(s.num_tokens for s in steps) <= CHUNK + 1  # never both prompts' chunks in one step
     assert len(steps) >= 2 * -(-100 // CHUNK) + 3  # so the second's chunks came after the first's
+
+
+def test_diffusion_requests_join_while_their_canvases_fit_the_step(tmp_path):
+    llada = kstep.load(write_random_checkpoint(tmp_path, family="llada", seed=2))
+    prompts = [[4 + i, 9, 11 + i] for i in range(5)]  # canvases of 3 + 12 tokens
+    requests = [_request(llada, p, 12) for p in prompts]
+    steps = _run(Engine(llada, max_num_batched_tokens=2 * 15), requests)
+    assert max(s.batch_size for s in steps) == 2 and max(s.num_tokens for s in steps) <= 30
+    assert [r.output_ids[0] for r in requests] == [r.token_ids for r in llada.generate(prompts, max_tokens=12)]
+    huge = _request(llada, [5] * 40, 12)  # alone it joins, over the budget or not
+    _run(Engine(llada, max_num_batched_tokens=30), [huge])
+    assert huge.is_finished and len(huge.output_ids[0]) == 12
