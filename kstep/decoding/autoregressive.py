@@ -50,15 +50,17 @@ class AutoregressiveDecoder(Decoder):
         self.whole_pages = lambda slots: min(P + N, pool.pages.pages_for(slots) * pool.page_tokens)
         self.kv = runner.allocate_kv(B, self.whole_pages(P + min(N, FIRST_GROWTH)))
         if key_mask is not None:
-            self.positions = positions_from_padding(key_mask)
+            positions = positions_from_padding(key_mask)
             key_mask = torch.cat([key_mask, torch.ones(B, N, dtype=torch.bool, device=prompts.device)], dim=1)
         else:
-            self.positions = torch.arange(P, device=prompts.device).expand(B, -1)
+            positions = torch.arange(P, device=prompts.device).expand(B, -1)
         self.key_mask = key_mask
+        # prompt then completion: completion token j sits at the last prompt position + j + 1
+        self.seq_positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(N, device=prompts.device)], 1)
         self.out = torch.full((B, N), pad_id, dtype=torch.long, device=prompts.device)
         self.finished = torch.zeros(B, dtype=torch.bool, device=prompts.device)
         self.num_generated, self.nfe, self.is_finished = 0, 0, False
-        self.prefilled = 0  # prompt columns in the cache (a prefill in chunks: fewer than P until its last)
+        self.prefilled = 0  # sequence slots (prompt, then completion) the cache holds
         self.pending = 1  # tokens at the end of `out` the next pass takes (more after a jump forward)
         self.lengths = [0] * B  # committed tokens per row (up to and including its stop token)
         self.row_nfe = [0] * B  # passes each row needed
@@ -69,28 +71,42 @@ class AutoregressiveDecoder(Decoder):
         return [] if forward is None else asking([forward], self.top)
 
     def _next_pass(self) -> ForwardPass | None:
-        if self.num_generated == 0:  # the prefill, whole or its next chunk (base.Decoder.prefill_chunk)
-            start, P = self.prefilled, self.prompts.shape[1]
-            if self.num_cached_tokens is None:  # at least the last prompt token runs: its logits pick token 1
-                start = self.prefilled = self.num_cached_tokens = 0 if self.prefix_cache is None else \
-                    self.prefix_cache.load(self.prompts[0].tolist(), self.kv, P - 1)
-            end = P if self.prefill_chunk is None else min(P, start + self.prefill_chunk)
-            if self.prefill_budget is not None and (end - start) * self.prompts.shape[0] > self.prefill_budget:
-                return None  # waits for a step with room
-            self.prefilled = end
-            return self.runner.causal_pass(self.prompts[:, start:end], self.positions[:, start:end], self.key_mask,
-                                           start, self.kv)
-        t, k = self.num_generated, self.pending  # completion token j sits at the last prompt position + j + 1
-        self._room(self.prompts.shape[1] + t)
-        positions = self.positions[:, -1:] + torch.arange(t - k + 1, t + 1, device=self.out.device)  # (B, k)
-        return self.runner.causal_pass(self.out[:, t - k:t], positions, self.key_mask,
-                                       self.prompts.shape[1] + t - k, self.kv)
+        """The pass that brings the cache up to the sequence so far (prompt and the tokens placed): the
+        prefill, whole or its next chunk (base.Decoder.prefill_chunk), the one token (or a jump
+        forward's few) of a decode step, or after an eviction the recomputation of all of it. The logits
+        of its last position pick the next token once the cache holds the whole sequence."""
+        P, start, end = self.prompts.shape[1], self.prefilled, self.prompts.shape[1] + self.num_generated
+        if self.num_cached_tokens is None:  # at least the last prompt token runs: its logits pick token 1
+            self._room(P)
+            start = self.prefilled = self.num_cached_tokens = 0 if self.prefix_cache is None else \
+                self.prefix_cache.load(self.prompts[0].tolist(), self.kv, P - 1)
+        if self.prefill_chunk is not None:
+            end = min(end, start + self.prefill_chunk)
+        is_prefill = start < P + self.num_generated - self.pending  # more than a decode step's tokens
+        if is_prefill and self.prefill_budget is not None and (end - start) * self.prompts.shape[0] > self.prefill_budget:
+            return None  # waits for a step with room
+        self._room(end)
+        self.prefilled = end
+        ids = self.prompts[:, start:end] if end <= P else self.out[:, start - P:end - P] if start >= P else \
+            torch.cat([self.prompts[:, start:], self.out[:, :end - P]], 1)
+        return self.runner.causal_pass(ids, self.seq_positions[:, start:end], self.key_mask, start, self.kv)
+
+    def evict(self) -> bool:
+        """Drop the cache (its pages go back) and keep the rest: resumed, it recomputes the cache of the
+        prompt and the tokens placed so far, as a prefill, and goes on where it was (its sampler's
+        state and grammar untouched, what it sent never taken back)."""
+        self.kv, self.prefilled = None, 0
+        if self.num_generated == 0:
+            self.num_cached_tokens = None  # its prefill again, the prefix cache's help too
+        return True
 
     def _room(self, slots: int) -> None:
         """A cache of at least `slots` slots: moved into one twice the completion's part so far (whole
         pages, at most prompt + max_tokens) when it is short. PoolFull, nothing changed, when the pool has no room:
         the engine preempts a request and asks again."""
-        if self.kv.length < slots:
+        if self.kv is None:  # evicted: a cache again
+            self.kv = self.runner.allocate_kv(self.prompts.shape[0], self.whole_pages(slots))
+        elif self.kv.length < slots:
             P, have = self.prompts.shape[1], self.kv.length
             self.kv = self.runner.grow_kv(self.kv, self.whole_pages(max(slots, P + 2 * (have - P))))
 
@@ -99,8 +115,8 @@ class AutoregressiveDecoder(Decoder):
 
     def update(self, outputs: list[PassOutput]) -> StepOutput:
         """Sample the next token from the last position's outputs (B, 1)."""
-        p = self.params
-        if not outputs or self.prefilled < self.prompts.shape[1]:  # a prefill chunk, or none: nothing to sample
+        p, P = self.params, self.prompts.shape[1]
+        if not outputs or self.prefilled < P + self.num_generated:  # a chunk, or none: nothing to sample
             self.nfe += len(outputs)
             return StepOutput([[] for _ in self.lengths], self.lengths, self.row_done, self.row_nfe, self.nfe, False)
         [out] = outputs

@@ -104,6 +104,12 @@ class Decoder(ABC):
     def update(self, logits: list[torch.Tensor]) -> StepOutput:
         """Apply the step given each pass's logits, in the order `next_passes` returned them."""
 
+    def evict(self) -> bool:
+        """Drop its KV caches (their pages go back) and keep everything else, to resume where it was
+        (the next passes rebuild the caches): True if it can. False: the engine drops the decoder, and
+        the request recomputes from its prompt."""
+        return False
+
     def reserve(self) -> None:
         """Take now every KV page it may need (PoolFull if they are not free): a request that resumes
         after a preemption is not preempted again. Caches taken whole when it starts: nothing to do."""

@@ -108,14 +108,16 @@ class Engine:
             outputs.append(out)
             if out.admitted:
                 joined.append(request.admitted_time - request.arrival_time)
-        batch = [r for r in batch if r.decoder is not None]
+        running = {id(r) for r in self.scheduler.running}  # not those that wait after all
+        batch = [r for r in batch if id(r) in running and r.decoder is not None]
         self._drop_streams_of_aborted(batch)
         if not batch:
             return outputs, None
         start = time.perf_counter()
         passes = self._next_passes(batch)
-        passes = [ps for r, ps in zip(batch, passes) if r.decoder is not None]  # the preempted have left
-        batch = [r for r in batch if r.decoder is not None]
+        running = {id(r) for r in self.scheduler.running}  # the preempted have left
+        passes = [ps for r, ps in zip(batch, passes) if id(r) in running]
+        batch = [r for r in batch if id(r) in running]
         flat = [p for request_passes in passes for p in request_passes]
         logits = iter(execute_passes(flat))
         step_outputs = [r.decoder.update([next(logits) for _ in ps]) for r, ps in zip(batch, passes, strict=True)]
@@ -141,21 +143,23 @@ class Engine:
         decoder whose cache cannot grow (PoolFull) has the newest request not yet asked preempted (maybe
         itself: then it has none). Under a token budget, prefill chunks take what the others' passes
         leave; one that does not fit waits, except the step's first (a long prompt always moves on)."""
-        budget, prefilled, out = self.max_num_batched_tokens, False, {}
+        budget, prefilled, out, preempted = self.max_num_batched_tokens, False, {}, set()
         order = sorted(batch, key=lambda r: r.decoder.nfe == 0)
         for i, request in enumerate(order):
-            while request.decoder is not None:
+            while id(request) not in preempted:
                 request.decoder.prefill_budget = budget if prefilled else None
                 try:
                     out[id(request)] = passes = request.decoder.next_passes()
                 except PoolFull:
-                    self._preempt(next(r for r in reversed(order[i:]) if r.decoder is not None))
+                    victim = next(r for r in reversed(order[i:]) if id(r) not in preempted)
+                    self._preempt(victim)
+                    preempted.add(id(victim))
                     continue
                 if budget is not None:
                     budget -= sum(p.num_tokens for p in passes)
                 prefilled |= any(p.kind == "prefill" for p in passes)
                 break
-        return [out.get(id(r), []) for r in batch]
+        return [[] if id(r) in preempted else out.get(id(r), []) for r in batch]
 
     def _preempt(self, request: Request) -> None:
         """Its KV pages go back; it waits at the head of the queue and resumes by recomputing what it
@@ -193,7 +197,10 @@ class Engine:
         request.admitted_time = time.monotonic()
         for attempt in range(2):
             try:
-                request.decoder = self._make_decoder(request)
+                if request.decoder is None:
+                    request.decoder = self._make_decoder(request)
+                else:  # it resumes where it was (Decoder.evict): its caches whole now, not preempted again
+                    request.decoder.reserve()
                 break
             except PoolFull:
                 pass  # out of the except clause: a half-made decoder's caches go with its traceback
@@ -211,7 +218,7 @@ class Engine:
             return self._refuse(request, f"this request's KV caches do not fit the model's KV pool even alone "
                                          f"({pools}: --kv-cache-memory / --memory-utilization); ask for fewer "
                                          "tokens or rows", 400, "kv_budget_exceeded")
-        if not self._fits_step_budget(request):
+        if not request.preemptions and not self._fits_step_budget(request):
             request.decoder, self._refused_at = None, self.scheduler.departed
             return WAIT
         self._refused_at = None

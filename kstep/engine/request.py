@@ -64,8 +64,13 @@ class Request:
         self.is_finished = out.is_finished
 
     def preempt(self) -> None:
-        """Its decoder (and KV pages) go; it keeps what it committed, which it recomputes when it resumes."""
-        self.decoder, self.preemptions = None, self.preemptions + 1
+        """Its KV pages go. A decoder that can drop its caches alone (Decoder.evict: AR) is kept and
+        resumes where it was; another goes, and the request recomputes from its prompt, what it
+        committed checked on the way (`append`)."""
+        self.preemptions += 1
+        if self.decoder is not None and self.decoder.evict():
+            return
+        self.decoder = None
         self.replayed = [[] for _ in self.output_ids] if self.output_ids else None
 
     @property

@@ -53,11 +53,10 @@ class Scheduler:
             return list(self.running), admitted
 
     def requeue(self, requests: list[Request]) -> None:
-        """Requests just admitted that must wait after all (their KV pages are not free): out of the
-        batch, back to the head of the queue in their order."""
+        """Requests that must wait after all (their KV pages are not free, or were taken back): out of
+        the batch, back to the head of the queue in their order."""
         with self._lock:
             for request in requests:
-                request.decoder = None
                 if request in self.running:
                     self.running.remove(request)
             self.waiting.extendleft(reversed([r for r in requests if not r.is_aborted]))
