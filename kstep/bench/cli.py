@@ -1,5 +1,5 @@
 """`kstep bench decode|compare|quant|ar|serve` (and moe|load|passes|tp|self-spec: sizes_cli.py; structured:
-structured_cli.py; stall: stall.py; long-prompt: long_prompt.py): the
+structured_cli.py; stall: stall.py; long-prompt: long_prompt.py; burst: burst.py): the
 benchmarks' flags and their checks. Every
 benchmark reports ratios against a baseline measured in the same run."""
 import argparse
@@ -20,11 +20,13 @@ def add_bench(sub) -> None:
     from kstep.bench.llamacpp.cli import add_llamacpp
     from kstep.bench.sizes_cli import add_load, add_moe, add_passes, add_self_spec, add_tp
     from kstep.bench.sampler import add_sampler
+    from kstep.bench.burst import add_burst
     from kstep.bench.long_prompt import add_long_prompt
     from kstep.bench.stall import add_stall
     from kstep.bench.structured_cli import add_structured
     for add in (_add_decode, _add_compare, _add_quant, _add_ar, _add_serve, add_moe, add_load, add_passes, add_tp,
-                add_self_spec, add_structured, add_stall, add_long_prompt, add_sampler, add_llamacpp):
+                add_self_spec, add_structured, add_stall, add_long_prompt, add_burst, add_sampler,
+                add_llamacpp):
         add(kinds)
 
 
@@ -200,6 +202,11 @@ def _add_serve(kinds) -> None:
                              "the share answered within budget, refusals, tokens and passes")
     bserve.add_argument("--replicas", type=int, default=None,
                         help="compare 1 Ray Serve replica with this many (each --threads CPUs, default 1)")
+    bserve.add_argument("--sweep", default=None, metavar="1,4,16,64,256",
+                        help="one server loaded at each of these concurrencies in turn: throughput, TTFT, inter-token "
+                             "time, peak RSS and preemptions per concurrency")
+    bserve.add_argument("--serve-arg", action="append", default=[],
+                        help="a `kstep serve` flag for the sweep's server, e.g. --serve-arg=--kv-cache-memory=256MiB")
     bserve.add_argument("--out", default="out/bench")
     bserve.set_defaults(run=run_serve_bench)
 
@@ -222,6 +229,13 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     if args.replicas is not None and (args.replicas < 2 or args.shared_prefix_tokens or args.url):
         raise ValueError(f"--replicas {args.replicas}: give 2 or more, without --shared-prefix-tokens or --url")
     prompts = held_out_code_prompts(args.num_prompts)
+    if args.sweep:
+        from kstep.bench.sweep import format_table as sweep_table, run_sweep
+        rows = run_sweep(args.model, positive_ints("--sweep", args.sweep), args.duration, args.max_tokens, prompts,
+                         settings, [*(["--threads", str(args.threads)] if args.threads else []), *args.serve_arg],
+                         Path(args.out), progress=_progress)
+        print(sweep_table(rows))
+        return 0
     if args.time_budgets:
         from kstep.bench.serve import format_budget_table, run_budget_bench
         try:
