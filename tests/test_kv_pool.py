@@ -4,6 +4,8 @@ nothing may read as its own); a request larger than the whole pool is refused by
 not fit now gets PoolFull (the engine admits it later). Generating on a pool so small that every
 request reuses the last one's pages gives the same tokens as a large pool, for every kind of cache."""
 import gc
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -93,3 +95,19 @@ def test_pages_reused_from_earlier_requests_change_no_token(checkpoints, family,
         assert [r.token_ids for r in tight.generate(prompts, max_tokens=24, seed=3, **knobs)] == want
     with pytest.raises(KVBudgetExceeded, match="KV pool holds"):
         tight.generate([[5, 6]] * 64, max_tokens=24, **knobs)
+
+
+def test_an_address_space_limit_bounds_the_default_budget():
+    """`ulimit -v` (RLIMIT_AS), set for real in a child process, caps what the default pool may take."""
+    code = """
+import resource, torch
+from kstep.runner import memory_budget
+mapped = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), resource.RLIM_INFINITY))
+left = memory_budget.memory_left(torch.device('cpu'))
+budget = memory_budget.kv_budget(torch.device('cpu'), 1000, 10 ** 9)
+print(left, budget)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    left, budget = map(int, run.stdout.split())
+    assert 0 < left <= 1 << 30 and budget <= left // 2
