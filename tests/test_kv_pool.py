@@ -48,12 +48,11 @@ def test_a_run_of_free_pages_is_needed_and_the_pool_stays_consistent_under_churn
     assert pool.usage()["free"] == 4
     with pytest.raises(PoolFull, match="not consecutive"):
         pool.allocate(1, 8)
-    for _ in range(200):  # many grants and drops: the books match what is alive
+    for _ in range(200):  # many grants and drops (a dropped cache's pages go back at once: no cycle holds it)
         try:
             held.append(pool.allocate(1, 2 * (len(held) % 3 + 1)))
         except PoolFull:
             held.pop(0)
-        gc.collect()
         assert pool.usage()["used"] == sum(kv.num_pages for kv in held)
 
 
