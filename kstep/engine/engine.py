@@ -27,6 +27,7 @@ from kstep.runner.model_runner import execute_passes
 
 WAIT = object()  # a request whose KV pages are not free yet: back to the head of the queue
 
+
 @dataclass(slots=True, frozen=True)
 class RequestLimits:
     """A server's ceiling on one request, whatever its knobs: forward passes, and seconds since it
@@ -108,16 +109,14 @@ class Engine:
             outputs.append(out)
             if out.admitted:
                 joined.append(request.admitted_time - request.arrival_time)
-        running = {id(r) for r in self.scheduler.running}  # not those that wait after all
-        batch = [r for r in batch if id(r) in running and r.decoder is not None]
+        batch = [r for r in batch if r in self.scheduler.running and r.decoder is not None]  # not those that wait
         self._drop_streams_of_aborted(batch)
         if not batch:
             return outputs, None
         start = time.perf_counter()
-        passes = self._next_passes(batch)
-        running = {id(r) for r in self.scheduler.running}  # the preempted have left
-        passes = [ps for r, ps in zip(batch, passes) if id(r) in running]
-        batch = [r for r in batch if id(r) in running]
+        passes = dict(zip(map(id, batch), self._next_passes(batch)))
+        batch = [r for r in batch if r in self.scheduler.running]  # the preempted have left
+        passes = [passes[id(r)] for r in batch]
         flat = [p for request_passes in passes for p in request_passes]
         logits = iter(execute_passes(flat))
         step_outputs = [r.decoder.update([next(logits) for _ in ps]) for r, ps in zip(batch, passes, strict=True)]
