@@ -74,3 +74,29 @@ def test_diffusion_requests_join_while_their_canvases_fit_the_step(tmp_path):
     huge = _request(llada, [5] * 40, 12)  # alone it joins, over the budget or not
     _run(Engine(llada, max_num_batched_tokens=30), [huge])
     assert huge.is_finished and len(huge.output_ids[0]) == 12
+
+
+@pytest.mark.parametrize("family, settings", [("sdar", {}), ("fast_dllm_v2", {"cache": "dual"}),
+                                              ("llada2_moe", {}), ("sdar", {"draft": "self"})])
+def test_a_block_model_prefills_in_chunks_of_whole_blocks(tmp_path, family, settings):
+    """A block-causal prompt in chunks of whole blocks beside a running request: no step runs more
+    than the budget plus a block (the last chunk carries the block the outputs are read from), and
+    every output is the one it gets alone, unchunked."""
+    llm = kstep.load(write_random_checkpoint(tmp_path, family=family, seed=3))
+    bs = llm.cfg.block_size
+    g = torch.Generator().manual_seed(5)
+    long_prompt = torch.randint(0, llm.cfg.vocab_size, (20 * bs + 3,), generator=g).tolist()
+    short = torch.randint(0, llm.cfg.vocab_size, (bs + 1,), generator=g).tolist()
+    chunk = 4 * bs
+    params = dict(max_tokens=4 * bs, temperature=0, **settings)
+    requests = [Request([p], llm.resolve(kstep.GenerationParams(**params))) for p in (short, long_prompt)]
+    steps = _run(Engine(llm, max_num_batched_tokens=chunk), requests, {1: 1})
+    assert requests[1].nfe >= 20 // 4  # its prompt took several passes
+    assert max(s.num_tokens for s in steps) <= chunk + 3 * bs + 2 * bs * (1 + bool(settings.get("draft")) * 4)
+    prefill_steps = [s for s in steps[1:] if s.num_tokens >= chunk]
+    assert len(prefill_steps) >= 4 and all(s.num_committed >= 0 for s in prefill_steps)
+    for request in requests:  # as alone, unchunked
+        again = Request(request.prompts, request.params)
+        _run(Engine(llm, max_num_batched_tokens=None), [again])
+        assert again.output_ids == request.output_ids
+    assert again.nfe < requests[1].nfe  # unchunked, the long prompt took fewer passes

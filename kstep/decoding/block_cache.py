@@ -79,8 +79,9 @@ class BlockCacheDecoder(BlockDiffusionDecoder):
         if not self.sub_pass:
             ran = self.ran_whole.clone()
             step = super().update(outputs)
-            # rows that ran their whole block now have its keys cached (a new block's first pass included)
-            self.has_block_cache |= ran & (self.phase == DENOISE)
+            if not self.needs_prefill:  # (a prefill's chunk before its last runs no block)
+                # rows that ran their whole block now have its keys cached (a new block's first pass included)
+                self.has_block_cache |= ran & (self.phase == DENOISE)
             return step
         [out] = outputs  # (B, sub): the sub-block's outputs
         self.nfe += 1

@@ -28,6 +28,7 @@ blocks). A structured output's grammar is kept at each row's frontier (kstep/str
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, final_rows, prefix_step_output
+from kstep.decoding.block_prefill import BlockPrefill
 from kstep.decoding.block_unmask import block_scores, choose_in_block, open_columns, scheduled
 from kstep.decoding.exact_step import BlockExactStep
 from kstep.decoding.sampling import OutputRules, constrain
@@ -42,7 +43,7 @@ from kstep.runner.pass_output import PassOutput
 DENOISE, COMMIT, DONE = 0, 1, 2  # a row's phase
 
 
-class BlockDiffusionDecoder(Decoder, BlockExactStep):
+class BlockDiffusionDecoder(Decoder, BlockExactStep, BlockPrefill):
     keeps_grammar = True
     spare_slots = 0  # KV slots past the canvas, never attended (block_cache.py writes keys it must not keep there)
 
@@ -88,6 +89,10 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
         self.num_cached_tokens, self.columns = 0, None  # columns: the last pass's columns with logits
         self.row_nfe, self.nfe, self.is_finished = torch.zeros(B, dtype=torch.long, device=device), 0, False
 
+    def step_tokens(self) -> int:
+        """A pass over every row's block (and the next one's, when a commit is fused)."""
+        return self.canvas.shape[0] * self.params.block_length * (2 if self.fused else 1)
+
     def next_passes(self) -> list[ForwardPass]:
         return asking(self._next_passes(), self.top)
 
@@ -95,21 +100,7 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
         if self.is_finished:
             return []
         if self.needs_prefill:
-            W, bs = self.prompt_width, self.params.block_length
-            key_mask = None if bool(self.real[:, :W].all()) else self.real[:, :W]
-            start = 0
-            if self.prefix_cache is not None:  # the last whole block always runs: its output may be needed
-                whole = W // bs * bs
-                start = self.prefix_cache.load(self.canvas[0, :whole].tolist(), self.kv, whole - bs)
-                self.num_cached_tokens = start
-            if not self.fused_prefill:
-                return [self.runner.block_prefill_pass(self.canvas[:, :W], key_mask, bs, self.kv, start)]
-            # slots [0, W + bs) hold every row's first block; columns [W - bs, W + bs) predict them
-            end = W + bs
-            key_mask = None if bool(self.real[:, :end].all()) else self.real[:, :end]
-            prefill = self.runner.block_prefill_pass(self.canvas[:, :end], key_mask, bs, self.kv, start)
-            prefill.logits_from, prefill.logits_to = W - bs - start, end - start  # the prefix cache keeps a block
-            return [prefill]
+            return self._prefill_pass()
         bs = self.params.block_length
         width = 2 * bs if self._fuses_commit() else bs
         starts = self.pads + self.block_starts  # (B,) slot of each row's block
@@ -148,8 +139,9 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep):
         return self.fused and bool((self.phase == COMMIT).any())
 
     def update(self, outputs: list[PassOutput]) -> StepOutput:
-        [out] = outputs
-        self.nfe += 1
+        if self.needs_prefill and not self.prefill_done(outputs):
+            return self._output()
+        [out], self.nfe = outputs, self.nfe + 1
         if self.needs_prefill:
             self._after_prefill(out)
             if self.fused_prefill:  # each row's block sits at its own offset in the window of 2 * bs

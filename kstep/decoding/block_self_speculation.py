@@ -41,6 +41,10 @@ class BlockSelfSpeculativeDecoder(Decoder):
 
     # --- the passes -------------------------------------------------------------------------------
 
+    def step_tokens(self) -> int:
+        """The exact sampler's pass and the K drafts of every row's block (counted as wide as it)."""
+        return self.exact.step_tokens() * (1 + self.num_draft)
+
     def next_passes(self) -> list[ForwardPass]:
         ex, passes, self.kinds = self.exact, [], []
         if self.is_finished:
@@ -48,10 +52,16 @@ class BlockSelfSpeculativeDecoder(Decoder):
         active = ex.phase != DONE
         # the rows the exact sampler's pass serves, fixed now: a draft pass may commit a row before it returns
         self.committing, self.starting = active & (ex.phase == COMMIT), active & (ex.phase == DENOISE) & ~self.has_pred
-        if ex.needs_prefill or bool((self.committing | self.starting).any()):
-            passes += ex.next_passes()  # the exact sampler's own: a prefill, block starts and commits
-            if not ex.needs_prefill:
-                passes[-1].logits_columns, ex.columns = None, None  # every position: drafts read the whole block
+        if ex.needs_prefill:  # the exact sampler's prefill (or its next chunk; none while it waits)
+            ex.prefill_chunk, ex.prefill_budget = self.prefill_chunk, self.prefill_budget
+            passes = ex.next_passes()
+            self.kinds = ["exact"] * len(passes)
+            for forward in passes:
+                self.tally.count_pass(forward)
+            return passes
+        if bool((self.committing | self.starting).any()):
+            passes += ex.next_passes()  # the exact sampler's own: block starts and commits
+            passes[-1].logits_columns, ex.columns = None, None  # every position: drafts read the whole block
             self.kinds.append("exact")
             self.tally.count_pass(passes[-1])
         if bool(self.verified.any()):
@@ -73,12 +83,12 @@ class BlockSelfSpeculativeDecoder(Decoder):
         return asking([forward], ex.top)[0]
 
     def update(self, outputs: list[PassOutput]) -> StepOutput:
-        ex, self.nfe = self.exact, self.nfe + 1
-        outputs = dict(zip(self.kinds, outputs, strict=True))
+        ex, self.nfe = self.exact, self.nfe + bool(outputs)  # one packed pass a step
         if ex.needs_prefill:  # the prompt's blocks into the cache (and a shifted model's first token)
-            out = ex.update([outputs["exact"]])
+            out = ex.update(outputs)
             self.is_finished = ex.is_finished
             return out
+        outputs = dict(zip(self.kinds, outputs, strict=True))
         if "drafts" in outputs:
             ex.row_nfe += self.verified.any(-1)
             self._verify(outputs["drafts"])
