@@ -14,7 +14,8 @@ import torch
 from kstep.budget.planner import PassCosts, Plan, plan
 from kstep.bundled import resolve_model
 from kstep.decoding.drafters import NGRAM, check_draft
-from kstep.decoding.loop import decode_alone
+from kstep.engine.offline import run_alone
+from kstep.engine.request import Request
 from kstep.outputs import GenerationResult
 from kstep.params import AUTOREGRESSIVE, DIFFUSION, SELF_SPECULATION, GenerationParams, knob_applies
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
@@ -246,33 +247,31 @@ class LLM:
                 raise ValueError(f"suffix: give one, or one per prompt ({len(items)}), not {len(per_prompt)}")
             suffixes = [self.encode_suffix(s) for s in per_prompt]
         timings: dict[str, float] = {}
+        plan = None
         if params.time_budget is not None:
             plan = self.plan_budget(params, max(len(ids) for ids in batch),
                                     max((len(s) for s in suffixes), default=0) if suffixes else 0)
             params = plan.params
             timings = {"time_budget": params.time_budget, "predicted_seconds": plan.predicted_seconds,
                        "planned_passes": plan.passes}
-        start = time.perf_counter()
-        decoder = self.make_decoder(batch, params, first_tokens=[allowed for _, _, allowed in healed],
-                               suffixes=suffixes)
         if self.family.kind == DIFFUSION:  # both kinds of pass reported, even when one did not run
             timings.update({"full_pass_seconds": 0.0, "window_pass_seconds": 0.0, "num_full_passes": 0,
                             "num_window_passes": 0})
-        rows, row_nfe = decode_alone(decoder, timings, self.pass_costs if self.pass_costs.is_calibrated else None)
+        request = Request(batch, params, given_back=[back for _, back, _ in healed], first_tokens=[
+            allowed for _, _, allowed in healed], suffixes=suffixes or [], plan=plan, timings=timings)
+        start = time.perf_counter()
+        run_alone(self, request)
         seconds = time.perf_counter() - start
-        if "planned_passes" in timings and len(batch) == 1:  # a planned request, alone: how far plans scatter here
-            self.pass_costs.observe_outcome(timings["predicted_seconds"], timings["planned_passes"], seconds,
-                                            decoder.nfe)
-        timings = {"decode_seconds": seconds, **timings, "batch_passes": decoder.nfe}
+        timings = {"decode_seconds": seconds, **request.timings, "batch_passes": request.nfe}
         results = []
-        for b, (prompt, (_, given_back, _), row, nfe) in enumerate(zip(batch, healed, rows, row_nfe, strict=True)):
+        for b, (prompt, (_, given_back, _), row, nfe) in enumerate(zip(batch, healed, request.output_ids,
+                                                                        request.row_nfe, strict=True)):
             tokens, reason = self.cut_at_stop(row, params.ignore_eos)
             text = self.tokenizer.decode(tokens) if self.tokenizer else None
             if text is not None and given_back and text.startswith(given_back):
                 text = text[len(given_back):]  # it was the prompt's: the completion is what follows
-            grammar = {} if decoder.constraint is None else decoder.constraint.stats()
             results.append(GenerationResult(tokens, reason, nfe, seconds, len(prompt), text,
-                                            {**timings, **decoder.stats(b), **grammar}))  # its own drafts' figures
+                                            {**timings, **request.row_stats[b]}))  # its own drafts' figures
         return results
 
 

@@ -193,7 +193,7 @@ def test_first_token_constraint_holds_at_a_block_boundary(v2_path, prompt_len):
     prompt = prompt_ids(prompt_len, 4)
     free = llm.generate(prompt, params)[0].token_ids
     allowed = [t for t in range(20, 40) if t != free[0]]
-    rows, _ = decode_alone(llm.make_decoder([prompt], params, first_tokens=[allowed]), {})
+    rows, _ = decode_alone(llm.make_decoder([prompt], params, first_tokens=[allowed]))
     assert rows[0][0] in allowed
 
 

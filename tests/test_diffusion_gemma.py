@@ -80,7 +80,7 @@ def kstep_run(llm, prompts: torch.Tensor, **settings):
     params = llm.resolve(kstep.GenerationParams(**settings))
     with torch.inference_mode():
         decoder = llm.make_decoder(prompts.tolist(), params)
-        rows, _ = decode_alone(decoder, {})
+        rows, _ = decode_alone(decoder)
     return rows, decoder
 
 

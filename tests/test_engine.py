@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import kstep
 from kstep.budget.planner import PassCosts
 from kstep.decoding.base import Decoder
-from kstep.engine.engine import Engine, StepStats
-from kstep.engine.request import Request, RequestOutput
+from kstep.engine.engine import Engine
+from kstep.engine.request import Request, RequestOutput, StepStats
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass

@@ -226,6 +226,6 @@ def test_modes_share_the_causal_prompt_keys(models):
     for mode, cached in (("diffusion", 0), ("ar", 32), ("diffusion", 32)):  # whole blocks of 16 before the last token
         params = llm.resolve(kstep.GenerationParams(max_tokens=16, mode=mode, ignore_eos=True))
         decoder = llm.make_decoder([ids], params, cache)
-        rows, _ = decode_alone(decoder, {})
+        rows, _ = decode_alone(decoder)
         assert rows[0] == llm.generate(ids, max_tokens=16, mode=mode, ignore_eos=True)[0].token_ids, mode
         assert decoder.num_cached_tokens == cached, mode

@@ -15,8 +15,8 @@ import pytest
 
 import kstep
 from kstep.bench.server_process import running_server
-from kstep.engine.engine import Engine, RequestLimits
-from kstep.engine.request import Request
+from kstep.engine.engine import Engine
+from kstep.engine.request import Request, RequestLimits
 from test_server import client, metric
 
 # A long request on the tiny LLaDA: one pass per token over a 512-token canvas (seconds of work).

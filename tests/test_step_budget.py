@@ -100,3 +100,20 @@ def test_a_block_model_prefills_in_chunks_of_whole_blocks(tmp_path, family, sett
         _run(Engine(llm, max_num_batched_tokens=None), [again])
         assert again.output_ids == request.output_ids
     assert again.nfe < requests[1].nfe  # unchunked, the long prompt took fewer passes
+
+
+def test_generate_is_one_request_on_the_engine(llm):
+    """LLM.generate takes the engine's path: a seeded batch equals the same request stepped by a
+    server's engine; unseeded, it draws from torch's generator (the engine seeds only a server's
+    requests); its timings count its passes."""
+    prompts, params = [[5, 6, 7], [8, 9, 10, 11, 12]], dict(max_tokens=8, temperature=1.0)
+    results = llm.generate(prompts, seed=11, **params)
+    served = _request(llm, [0], 8)
+    served.prompts, served.params = prompts, llm.resolve(kstep.GenerationParams(seed=11, **params))
+    _run(Engine(llm), [served])
+    assert [r.token_ids for r in results] == [llm.cut_at_stop(row)[0] for row in served.output_ids]
+    assert results[0].timings["num_prefill_passes"] + results[0].timings["num_decode_passes"] == results[0].nfe
+    torch.manual_seed(3)
+    first = llm.generate(prompts, **params)
+    torch.manual_seed(3)
+    assert [r.token_ids for r in llm.generate(prompts, **params)] == [r.token_ids for r in first]

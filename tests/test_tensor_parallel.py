@@ -21,8 +21,8 @@ from kstep.bench.server_process import running_server
 from kstep.cli import main
 from kstep.distributed.runner import GroupLost
 from kstep.distributed.sharding import plan_shard
-from kstep.engine.engine import Engine, StepStats
-from kstep.engine.request import Request
+from kstep.engine.engine import Engine
+from kstep.engine.request import Request, StepStats
 from kstep.random_checkpoint import random_config, write_random_checkpoint
 from kstep.runner.top_tokens import NUM_STATS
 from kstep.server.metrics import Metrics

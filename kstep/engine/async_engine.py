@@ -19,8 +19,8 @@ import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from kstep.engine.engine import Engine, StepStats
-from kstep.engine.request import Request, RequestOutput
+from kstep.engine.engine import Engine
+from kstep.engine.request import Request, RequestOutput, StepStats
 
 log = logging.getLogger("kstep.engine")
 

@@ -11,14 +11,14 @@ done (continuous batching).
 import gc
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
-from kstep.engine.request import ChoiceDelta, Request, RequestOutput
+from kstep.engine.request import ChoiceDelta, Request, RequestLimits, RequestOutput, StepStats
 from kstep.engine.scheduler import Scheduler
 from kstep.engine.text_stream import TextStream, canvas_pieces, render_canvas
-from kstep.llm import LLM
+from kstep.engine.served_model import ServedModel
 from kstep.outputs import StepOutput
 from kstep.params import DIFFUSION, knob_applies
 from kstep.runner.kv_pages import PoolFull
@@ -28,39 +28,17 @@ from kstep.runner.model_runner import execute_passes
 WAIT = object()  # a request whose KV pages are not free yet: back to the head of the queue
 
 
-@dataclass(slots=True, frozen=True)
-class RequestLimits:
-    """A server's ceiling on one request, whatever its knobs: forward passes, and seconds since it
-    joined the batch (None: no limit). A request that reaches one ends at once with what it has
-    committed (finish_reason "length"), so none can hold a slot indefinitely."""
-    max_passes: int | None = None
-    max_seconds: float | None = None
-
-    def reached(self, passes: int, seconds: float) -> tuple[str, float] | None:
-        """The limit (name, value) a request with these passes and seconds has reached, if any."""
-        if self.max_passes is not None and passes >= self.max_passes:
-            return "max_request_passes", self.max_passes
-        if self.max_seconds is not None and seconds >= self.max_seconds:
-            return "max_request_seconds", self.max_seconds
-        return None
-
-
-@dataclass(slots=True)
-class StepStats:
-    batch_size: int              # requests in the step
-    num_passes: int              # packed forward passes (one per model that had work: target, draft)
-    num_tokens: int              # tokens run through the models
-    seconds: float
-    num_committed: int           # tokens newly committed across the batch
-    queue_seconds: list[float] = field(default_factory=list)  # the requests that joined: arrival to joining
-
-
 class Engine:
-    def __init__(self, llm: LLM, max_batch_size: int = 16, max_queue: int = 256, prefix_cache_bytes: int = 0,
-                 limits: RequestLimits = RequestLimits(), max_num_batched_tokens: int | None = None):
+    def __init__(self, llm: ServedModel, max_batch_size: int = 16, max_queue: int = 256, prefix_cache_bytes: int = 0,
+                 limits: RequestLimits = RequestLimits(), max_num_batched_tokens: int | None = None,
+                 assigns_seeds: bool = True, detokenizes: bool = True):
         if max_num_batched_tokens is not None and max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be > 0")
         self.llm, self.limits = llm, limits
+        # A server's engine seeds every request (a preempted one draws the same again) and keeps each
+        # row's text; LLM.generate's, one request alone, draws from torch's generator when unseeded
+        # as callers of a seeded torch expect, and reads the token ids itself.
+        self.assigns_seeds, self.detokenizes = assigns_seeds, detokenizes
         self.max_num_batched_tokens = max_num_batched_tokens  # a step's tokens: prefills go in chunks under it
         self.scheduler = Scheduler(max_batch_size, max_queue)
         # AR and block-diffusion prompts share keys (causal across blocks); a canvas diffusion model's do not.
@@ -86,7 +64,7 @@ class Engine:
         they are (resolving compiles a structured output's grammar: not on the event loop)."""
         if not request.params.is_resolved:
             request.params = self.llm.resolve(request.params)
-        if request.params.seed is None:  # its own draws, so that a preempted request draws the same again
+        if request.params.seed is None and self.assigns_seeds:  # its own draws, so that a preempted request draws the same again
             request.params = replace(request.params, seed=random.getrandbits(63))
         self.scheduler.add(request)
 
@@ -118,13 +96,15 @@ class Engine:
         batch = [r for r in batch if r in self.scheduler.running]  # the preempted have left
         passes = [passes[id(r)] for r in batch]
         flat = [p for request_passes in passes for p in request_passes]
-        logits = iter(execute_passes(flat))
+        logits = iter(self._timed(batch, passes, flat))
         step_outputs = [r.decoder.update([next(logits) for _ in ps]) for r, ps in zip(batch, passes, strict=True)]
         for r in batch:
             if r.decoder.is_finished:  # before the scheduler drops the decoder
-                r.stats = {**r.decoder.stats(), **({"preemptions": r.preemptions} if r.preemptions else {})}
-                if r.decoder.constraint is not None:  # a structured output's figures (structured/constraint.py)
-                    r.stats.update(r.decoder.constraint.stats())
+                # a structured output's figures (structured/constraint.py), and if it was preempted
+                more = {**({} if r.decoder.constraint is None else r.decoder.constraint.stats()),
+                        **({"preemptions": r.preemptions} if r.preemptions else {})}
+                r.stats = {**r.decoder.stats(), **more}
+                r.row_stats = [{**r.decoder.stats(row), **more} for row in range(r.num_rows)]
         self.scheduler.update(batch, step_outputs)
         self._end_at_limits(batch)
         self._observe_plans(batch)
@@ -136,6 +116,22 @@ class Engine:
         if self.llm.pass_costs.is_calibrated:  # a request alone: its step refreshes the planner's table
             self.llm.pass_costs.observe_step(flat, stats.seconds)
         return outputs, stats
+
+    def _timed(self, batch: list[Request], passes: list[list], flat: list) -> list:
+        """The step's packed pass; each request's timings get its passes (by kind), their tokens and
+        their share of its time."""
+        start = time.perf_counter()
+        outputs = execute_passes(flat)
+        for runner in {id(p.runner): p.runner for p in flat}.values():
+            runner.synchronize()
+        share = (time.perf_counter() - start) / max(1, len(flat))
+        for request, request_passes in zip(batch, passes, strict=True):
+            timings = request.timings
+            for p in request_passes:
+                timings[f"{p.kind}_pass_seconds"] = timings.get(f"{p.kind}_pass_seconds", 0.0) + share
+                timings[f"num_{p.kind}_passes"] = timings.get(f"num_{p.kind}_passes", 0) + 1
+                timings["positions_computed"] = timings.get("positions_computed", 0) + p.num_tokens
+        return outputs
 
     def _next_passes(self, batch: list[Request]) -> list[list]:
         """Each request's passes for this step, those under way first (in the order they joined). A
@@ -204,8 +200,10 @@ class Engine:
             except PoolFull:
                 pass  # out of the except clause: a half-made decoder's caches go with its traceback
             except KVBudgetExceeded as e:
+                request.exception = e
                 return self._refuse(request, str(e), 400, "kv_budget_exceeded")
             except (ValueError, RuntimeError) as e:  # e.g. out of memory for a step's work
+                request.exception = e
                 return self._refuse(request, str(e), 500, "engine_error")
             if any(r.decoder is not None for r in self.scheduler.running if r is not request):
                 self._refused_at = self.scheduler.departed  # the others free pages as they finish
@@ -221,6 +219,8 @@ class Engine:
             request.decoder, self._refused_at = None, self.scheduler.departed
             return WAIT
         self._refused_at = None
+        if not self.detokenizes:
+            return RequestOutput(request.request_id, [], 0, admitted=True)
         given_back = request.per_row(request.given_back) or [""] * request.num_rows
         stop_ids = [] if request.params.ignore_eos else self.llm.stop_ids  # every token is the completion's
         grammar = request.decoder.constraint
@@ -267,6 +267,8 @@ class Engine:
         if request.error is not None:
             self.streams.pop(request.request_id, None)
             return RequestOutput(request.request_id, [], request.nfe, is_finished=True, error=request.error)
+        if not self.detokenizes:
+            return RequestOutput(request.request_id, [], request.nfe, request.is_finished, limit=request.limit)
         streams = self.streams[request.request_id]
         choices = []
         for index, (stream, committed) in enumerate(zip(streams, request.output_ids, strict=True)):
@@ -290,7 +292,7 @@ class Engine:
                              stats=request.stats if request.is_finished else {})
 
 
-def warm_up(llm: LLM) -> None:
+def warm_up(llm: ServedModel) -> None:
     """One tiny generation so the first request does not pay for lazy initialisation."""
     # (a random-start model: one decoder pass, not a canvas's worth)
     quick = {"max_denoising_steps": 1} if knob_applies("max_denoising_steps", llm.cfg.family, llm.kind) else {}

@@ -39,6 +39,10 @@ class Request:
     preemptions: int = 0             # times its KV pages were taken back (it then resumed by recomputing)
     replayed: list[list[int]] | None = None  # while it recomputes: per row, the tokens committed again so far
     error: str | None = None         # why it failed inside the engine, if it did
+    exception: BaseException | None = None  # ... the exception behind it (LLM.generate raises it again)
+    row_nfe: list[int] = field(default_factory=list)  # per row, the passes it needed
+    timings: dict = field(default_factory=dict)  # its passes by kind: seconds (its share of each step's), counts
+    row_stats: list[dict] = field(default_factory=list)  # once finished: per row, its decoder's figures
 
     def append(self, out: StepOutput) -> None:
         """Record one step of the request's decoder. While it recomputes after a preemption, the
@@ -60,7 +64,7 @@ class Request:
         else:
             for row, new in zip(self.output_ids, out.new_token_ids, strict=True):
                 row.extend(new)
-        self.nfe = out.nfe
+        self.nfe, self.row_nfe = out.nfe, out.row_nfe
         self.is_finished = out.is_finished
 
     def preempt(self) -> None:
@@ -112,3 +116,30 @@ class RequestOutput:
     error_code: str = "engine_error"
     limit: tuple[str, float] | None = None  # the server limit (name, value) that ended the request
     stats: dict = field(default_factory=dict)  # once finished: its decoder's figures (drafts, positions computed)
+
+
+@dataclass(slots=True, frozen=True)
+class RequestLimits:
+    """A server's ceiling on one request, whatever its knobs: forward passes, and seconds since it
+    joined the batch (None: no limit). A request that reaches one ends at once with what it has
+    committed (finish_reason "length"), so none can hold a slot indefinitely."""
+    max_passes: int | None = None
+    max_seconds: float | None = None
+
+    def reached(self, passes: int, seconds: float) -> tuple[str, float] | None:
+        """The limit (name, value) a request with these passes and seconds has reached, if any."""
+        if self.max_passes is not None and passes >= self.max_passes:
+            return "max_request_passes", self.max_passes
+        if self.max_seconds is not None and seconds >= self.max_seconds:
+            return "max_request_seconds", self.max_seconds
+        return None
+
+
+@dataclass(slots=True)
+class StepStats:
+    batch_size: int              # requests in the step
+    num_passes: int              # packed forward passes (one per model that had work: target, draft)
+    num_tokens: int              # tokens run through the models
+    seconds: float
+    num_committed: int           # tokens newly committed across the batch
+    queue_seconds: list[float] = field(default_factory=list)  # the requests that joined: arrival to joining

@@ -20,7 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kstep.distributed.runner import TensorParallelRunner
 from kstep.engine.async_engine import AsyncEngine
-from kstep.engine.engine import Engine, RequestLimits, warm_up
+from kstep.engine.engine import Engine, warm_up
+from kstep.engine.request import RequestLimits
 from kstep.llm import LLM
 from kstep.params.validation import MAX_PASSES_PER_POSITION
 from kstep.server.errors import APIError, BodySizeLimit, install_error_handlers

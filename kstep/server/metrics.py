@@ -3,7 +3,8 @@ live in one process (the tests). Every series carries a `model` label: the serve
 it is about ("" for a request refused before it named a served model)."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kstep.engine.engine import Engine, StepStats
+from kstep.engine.engine import Engine
+from kstep.engine.request import StepStats
 from kstep.engine.scheduler import Scheduler
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
