@@ -117,3 +117,31 @@ def test_generate_is_one_request_on_the_engine(llm):
     first = llm.generate(prompts, **params)
     torch.manual_seed(3)
     assert [r.token_ids for r in llm.generate(prompts, **params)] == [r.token_ids for r in first]
+
+
+CAUSAL_PROMPT_CASES = [("diffusion_gemma", {}), ("nemotron_labs_diffusion", {}),
+                       ("nemotron_labs_diffusion", {"mode": "linear_spec"}), ("qwen2", {"num_draft_tokens": 3})]
+
+
+@pytest.mark.parametrize("family, settings", CAUSAL_PROMPT_CASES,
+                         ids=[f"{f}-{'-'.join(map(str, s.values())) or 'default'}" for f, s in CAUSAL_PROMPT_CASES])
+def test_causal_prompts_of_other_decoders_prefill_in_chunks(tmp_path, family, settings):
+    """DiffusionGemma's encoder, Nemotron's causal context (and LinearSpec) and the speculative
+    decoder's target and draft prefill a long prompt in chunks beside a running request: each output
+    as the same request alone and unchunked, in more passes."""
+    path = write_random_checkpoint(tmp_path / "target", family=family, seed=6)
+    draft = write_random_checkpoint(tmp_path / "draft", family=family, seed=7, n_layers=1) \
+        if "num_draft_tokens" in settings else None
+    llm = kstep.load(path, draft=draft)
+    g = torch.Generator().manual_seed(8)
+    long_prompt = torch.randint(3, llm.cfg.vocab_size - 3, (70,), generator=g).tolist()
+    short = torch.randint(3, llm.cfg.vocab_size - 3, (5,), generator=g).tolist()
+    params = llm.resolve(kstep.GenerationParams(max_tokens=8, temperature=0, seed=1, **settings))
+    requests = [Request([p], params) for p in (short, long_prompt)]
+    steps = _run(Engine(llm, max_num_batched_tokens=16), requests, {1: 1})
+    assert max(s.num_tokens for s in steps[1:]) <= 16 * (2 if draft else 1) + 40  # a chunk (both models') and the other's pass
+    for request in requests:
+        again = Request(request.prompts, params)
+        _run(Engine(llm, max_num_batched_tokens=None), [again])
+        assert again.output_ids == request.output_ids
+    assert again.nfe < requests[1].nfe  # unchunked, the long prompt took fewer passes

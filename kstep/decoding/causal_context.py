@@ -65,7 +65,7 @@ class CausalContextDecoder(Decoder):
         self.rule = confidence_rule(params.remasking)
         same_rows = key_mask is None and bool((prompts == prompts[:1]).all())
         self.prefix_cache = resources.prefix_cache if same_rows else None
-        self.num_cached_tokens = 0
+        self.num_cached_tokens, self.prefilled = 0, None  # prompt columns cached (None: the prefix cache not asked)
         self.is_prefilled, self.columns = False, None
         self.row_nfe = torch.zeros(B, dtype=torch.long, device=device)
         self.nfe, self.is_finished = 0, False
@@ -74,12 +74,18 @@ class CausalContextDecoder(Decoder):
     def next_passes(self) -> list[ForwardPass]:
         if self.is_finished:
             return []
-        if not self.is_prefilled:
-            start = 0
-            if self.prefix_cache is not None:  # the last prompt token always runs: its output is the first token
-                start = self.prefix_cache.load(self.prompts[0].tolist(), self.kv, self.prompt_width - 1)
-                self.num_cached_tokens = start
-            return [self.runner.causal_pass(self.prompts[:, start:], self.positions[:, start:], self.key_mask,
+        if not self.is_prefilled:  # the prompt, whole or its next chunk (base.Decoder.prefill_chunk)
+            if self.prefilled is None:
+                self.prefilled = 0
+                if self.prefix_cache is not None:  # the last prompt token always runs: its output is the first token
+                    self.prefilled = self.num_cached_tokens = \
+                        self.prefix_cache.load(self.prompts[0].tolist(), self.kv, self.prompt_width - 1)
+            start, chunk = self.prefilled, self.prefill_chunk
+            end = self.prompt_width if chunk is None else min(self.prompt_width, start + chunk)
+            if self.prefill_budget is not None and (end - start) * self.prompts.shape[0] > self.prefill_budget:
+                return []  # waits for a step with room
+            self.prefilled = end
+            return [self.runner.causal_pass(self.prompts[:, start:end], self.positions[:, start:end], self.key_mask,
                                             start, self.kv)]
         bs = self.params.block_length
         offsets = torch.arange(bs, device=self.canvas.device)
@@ -98,9 +104,13 @@ class CausalContextDecoder(Decoder):
         return read.nonzero().squeeze(1)
 
     def update(self, outputs: list[PassOutput]) -> StepOutput:
+        if not outputs:  # its prefill's chunk waited
+            return self._output()
         [out] = outputs
         self.nfe += 1
         self.row_nfe += self.phase != DONE
+        if not self.is_prefilled and self.prefilled < self.prompt_width:  # a chunk before the prompt's last
+            return self._output()
         if not self.is_prefilled:
             self.is_prefilled = True
             if self.prefix_cache is not None:
@@ -117,6 +127,9 @@ class CausalContextDecoder(Decoder):
                 self.phase = torch.where(committing, DENOISE, self.phase)
                 self._seed(out[:, -1], committing)
         self._update_phases()
+        return self._output()
+
+    def _output(self) -> StepOutput:
         return prefix_step_output(self, self.completions(), self.lengths, self.mask_id, self.stop_ids,
                                   self.row_nfe, self.include_canvas, finished=self.phase == DONE)
 

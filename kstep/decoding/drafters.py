@@ -40,10 +40,12 @@ class ModelDrafter:
         self.kv = runner.allocate_kv(prompts.shape[0], real.shape[1])
         self.num_passes = 0
 
-    def prefill_pass(self) -> ForwardPass:
-        """The prompt into the draft's cache (its logits are not needed: the target picks token 1)."""
+    def prefill_pass(self, start: int, end: int) -> ForwardPass:
+        """The prompt's columns [start, end) into the draft's cache (its logits are not needed: the
+        target picks token 1)."""
         self.num_passes += 1
-        return self.runner.causal_pass(self.prompts, self.positions, self.key_mask, 0, self.kv)
+        return self.runner.causal_pass(self.prompts[:, start:end], self.positions[:, start:end], self.key_mask,
+                                       start, self.kv)
 
     def start(self, history: list[list[int]], gamma: int) -> None:
         """Begin proposing gamma tokens after `history`: per row the committed tokens after the prompt

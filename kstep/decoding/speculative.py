@@ -108,7 +108,7 @@ class SpeculativeDecoder(Decoder):
         else:
             self.drafter = ModelDrafter(draft, prompts, self.positions, key_mask, self.real, params,
                                         stop_ids, generator)
-        self.phase = "prefill"  # -> ("draft" ->) "verify" -> ...
+        self.phase, self.prefilled = "prefill", 0  # -> ("draft" ->) "verify" -> ...; prompt columns cached
         self.out: list[list[int]] = [[] for _ in range(B)]
         self.row_finished = [False] * B
         self.row_nfe = [0] * B
@@ -128,10 +128,15 @@ class SpeculativeDecoder(Decoder):
     def next_passes(self) -> list[ForwardPass]:
         if self.is_finished:
             return []
-        if self.phase == "prefill":  # the prompt into both caches; the target's pass picks token 1
-            target = asking([self.runner.causal_pass(self.prompts, self.positions, self.key_mask, 0, self.kv)],
-                            self.top)
-            return [self.drafter.prefill_pass(), *target] if isinstance(self.drafter, ModelDrafter) else target
+        if self.phase == "prefill":  # the prompt into both caches, whole or in chunks; its last pass picks token 1
+            (B, P), start, chunk = self.prompts.shape, self.prefilled, self.prefill_chunk
+            end, has_draft = P if chunk is None else min(P, start + chunk), isinstance(self.drafter, ModelDrafter)
+            if self.prefill_budget is not None and (end - start) * B * (1 + has_draft) > self.prefill_budget:
+                return []  # waits for a step with room
+            self.prefilled = end
+            target = asking([self.runner.causal_pass(self.prompts[:, start:end], self.positions[:, start:end],
+                                                     self.key_mask, start, self.kv)], self.top)
+            return [self.drafter.prefill_pass(start, end), *target] if has_draft else target
         if self.phase == "draft":
             return [self.drafter.next_pass()]
         if isinstance(self.drafter, NgramDrafter):
@@ -145,6 +150,9 @@ class SpeculativeDecoder(Decoder):
     def update(self, outputs: list[PassOutput]) -> StepOutput:
         """Prefill: sample the first token from the target's outputs (B, 1). A draft pass: the drafter
         samples its next proposal. Verify: (B, g + 1)."""
+        if not outputs or (self.phase == "prefill" and self.prefilled < self.prompts.shape[1]):
+            self.nfe += bool(outputs)  # a prefill chunk before its last, or none (it waited)
+            return self._output([[] for _ in self.out])
         if self.phase == "draft":
             self.drafter.absorb(outputs[0])
             if self.drafter.is_target:  # the target's own pass (LinearSpec): its nfe, as the reference counts

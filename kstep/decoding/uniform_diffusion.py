@@ -65,6 +65,7 @@ class UniformDiffusionDecoder(Decoder):
         self.encode_positions = positions_from_padding(key_mask) if key_mask is not None else \
             torch.arange(W, device=device).expand(B, -1)
         self.canvas_idx, self.is_encoding = 0, True
+        self.encoded = 0  # prompt columns in the cache (its prefill may run in chunks: base.Decoder.prefill_chunk)
         self.completions = torch.zeros(B, self.num_canvases * L, dtype=torch.long, device=device)
         self.row_finished = torch.zeros(B, dtype=torch.bool, device=device)
         self.row_nfe = torch.zeros(B, dtype=torch.long, device=device)
@@ -89,13 +90,20 @@ class UniformDiffusionDecoder(Decoder):
     def next_passes(self) -> list[ForwardPass]:
         if self.is_finished:
             return []
-        ids = self.to_encode if self.is_encoding else self.canvas
+        ids, positions = (self.to_encode, self.encode_positions) if self.is_encoding else (self.canvas, None)
         start = self._slot()
+        if self.is_encoding and self.canvas_idx == 0:  # the prompt, whole or its next chunk (causal: any columns)
+            W, chunk = self.prompt_width, self.prefill_chunk
+            end = W if chunk is None else min(W, self.encoded + chunk)
+            if self.prefill_budget is not None and (end - self.encoded) * ids.shape[0] > self.prefill_budget:
+                return []  # waits for a step with room
+            start, ids, positions = self.encoded, ids[:, self.encoded:end], positions[:, self.encoded:end]
+            self.encoded = end
         end = start + ids.shape[1]
         mask = None if self.real is None else self.real[:, None, None, :end]  # (B, 1, 1, S) key padding
         if self.is_encoding:  # no logits: only its keys and values matter
             kind = "prefill" if self.canvas_idx == 0 else "commit"
-            return [ForwardPass(ids, self.encode_positions, mask, ids.shape[1], ids.shape[1], kind, self.runner,
+            return [ForwardPass(ids, positions, mask, ids.shape[1], ids.shape[1], kind, self.runner,
                                 self.kv, start, end, mode=ENCODER)]
         positions = self.prompt_lengths[:, None] + self.canvas_idx * self.canvas_length + \
             torch.arange(self.canvas_length, device=self.device)  # (B, L)
@@ -103,9 +111,13 @@ class UniformDiffusionDecoder(Decoder):
                             mode=DECODER, soft_embeds=self.soft)]
 
     def update(self, outputs: list[PassOutput]) -> StepOutput:
+        if not outputs:  # its prefill's chunk waited
+            return self._output()
         [out] = outputs
         self.nfe += 1
-        if self.is_encoding:
+        if self.is_encoding and self.encoded < self.prompt_width:  # a prefill chunk before its last
+            self.row_nfe += 1
+        elif self.is_encoding:
             self.row_nfe += ~self.row_finished
             self._start_canvas()
         else:
