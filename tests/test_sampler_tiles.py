@@ -9,7 +9,8 @@ import torch
 import kstep
 from kstep.decoding import row_tiles as row_tiles_module
 from kstep.decoding.entropy_bound import entropy, sample_positions
-from kstep.decoding.exact_draw import _draw, draw_one, is_exact
+from kstep.decoding.exact_draw import _draw, draw_one, is_exact, native
+from kstep.layers import cpu_kernels
 from kstep.decoding.row_tiles import row_tiles
 from kstep.decoding.dream import _dream_rows, dream_logit_scores
 from kstep.decoding.sampling import OutputRules, _sample_rows, filter_logits, sample_tokens
@@ -19,11 +20,18 @@ from kstep.params import GenerationParams
 
 def test_this_torch_draws_as_the_exact_draw_assumes():
     assert is_exact()  # a torch whose multinomial changed would fall back to it, slower: this says so
+    # and kstep's C stream (cpu_draw.c) is torch's generator's, where the kernels are built
+    assert (native() is not None) == cpu_kernels.available()
 
 
+STREAMS = ["torch"] + (["native"] if cpu_kernels.available() else [])
+
+
+@pytest.mark.parametrize("stream", STREAMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("rows,width", [(1, 2), (5, 7), (64, 320), (3, 262_144)])
-def test_the_exact_draw_is_multinomial_with_the_same_generator_state(dtype, rows, width):
+def test_the_exact_draw_is_multinomial_with_the_same_generator_state(dtype, rows, width, stream):
+    lib = cpu_kernels.library() if stream == "native" else None
     check = torch.Generator().manual_seed(rows * width)
     for trial in range(6):
         logits = torch.randn(rows, width, generator=check) * (0.1 + 20 * torch.rand(rows, 1, generator=check))
@@ -34,7 +42,9 @@ def test_the_exact_draw_is_multinomial_with_the_same_generator_state(dtype, rows
         if trial == 0 and width > 4:
             probs[:, 1:4] = probs[:, :1]  # ties
         mine, theirs = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
-        assert torch.equal(_draw(probs, mine), torch.multinomial(probs, 1, generator=theirs)[:, 0])
+        for g in (mine, theirs):  # mid-stream: an odd number of 32-bit words drawn already
+            torch.rand(trial * 101, generator=g)
+        assert torch.equal(_draw(probs, mine, lib), torch.multinomial(probs, 1, generator=theirs)[:, 0])
         assert torch.equal(mine.get_state(), theirs.get_state())
 
 

@@ -66,11 +66,9 @@ def sample_positions(logits: torch.Tensor, temperature_value: torch.Tensor, scal
     argmax, entropies = torch.empty_like(sampled), torch.empty(processed.shape[0], dtype=logits.dtype,
                                                               device=logits.device)
     for rows in row_tiles(processed.shape[0], V, processed.element_size()):
-        tile = processed[rows]
-        if top_k is not None or top_p is not None:
-            tile = filter_logits(tile, top_k, top_p)
-        tile = tile / divisor
-        processed[rows] = tile
+        tile = processed[rows]  # a view: the processed logits are written in place
+        source = filter_logits(tile, top_k, top_p) if top_k is not None or top_p is not None else tile
+        torch.div(source, divisor, out=tile)
         sampled[rows] = draw_one(torch.softmax(tile, dim=-1, dtype=torch.float32), generator)
         argmax[rows] = tile.argmax(-1)
         entropies[rows] = entropy(tile)

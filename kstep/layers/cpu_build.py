@@ -1,4 +1,4 @@
-"""Builds kstep's CPU kernels (cpu_kernels.c, cpu_decode.c) with the system's C compiler, once per
+"""Builds kstep's CPU kernels (cpu_kernels.c, cpu_decode.c, cpu_draw.c) with the system's C compiler, once per
 source version, into a cache directory (`KSTEP_KERNEL_CACHE`, default ~/.cache/kstep/kernels);
 cpu_kernels.py loads the result. Where there is no compiler the kernels are quietly off; where a
 build is tried and fails, one notice on stderr per process says what failed and how to fix it, and
@@ -13,8 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-# The kernels, and the decode step's block built on them (cpu_decode.py); one library.
-SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("cpu_decode.c"))
+# The kernels, the decode step's block built on them (cpu_decode.py) and the exact draw's stream; one library.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_decode.c", "cpu_draw.c"))
 HEADER = Path(__file__).with_name("cpu_kernels.h")  # what the two share
 # no contraction of a * b + c into one FMA where the C is written as two operations: the scalar code
 # then rounds as torch's separate ops do (the intrinsics' FMAs stay FMAs)
@@ -77,7 +77,7 @@ def _compile(compiler: list[str], target: Path) -> tuple[str, bool] | None:
     # built beside the target and renamed: processes starting together never load a half-written file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    command = [*compiler, *FLAGS, *map(str, SOURCES), "-o", tmp]
+    command = [*compiler, *FLAGS, *map(str, SOURCES), "-lm", "-o", tmp]  # libm (log1p) after the sources
     try:
         done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=COMPILE_SECONDS)
         if done.returncode == 0:

@@ -1,4 +1,4 @@
-// The library's interface (cpu_kernels.c and cpu_decode.c, built as one by cpu_kernels.py): every
+// The library's interface (cpu_kernels.c, cpu_draw.c and cpu_decode.c, built as one by cpu_kernels.py): every
 // exported function and the structs passed across it, which cpu_decode.py mirrors with ctypes
 // (checked at load through kstep_decode_layout; tests/test_cpu_interface.py checks that every
 // non-static function of the two files is declared here, and the ctypes argtypes against these).
@@ -32,6 +32,12 @@ void kstep_rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *sum
                          uint16_t *y, long m, long dim, float eps);
 // int8 codes (rows, cols) and a float32 scale per row of a float32 weight
 void kstep_quantize_i8(const float *w, long rows, long cols, int8_t *codes, float *scales, int threads);
+
+// ---- cpu_draw.c ----
+// out[r] = torch.multinomial(probs, 1)[r] for float32 probs (rows, width), torch's generator drawn from
+// its get_state() bytes (advanced in place); returns how many of its uniforms were 0 (then replay torch's),
+// -1 for a state it does not recognise
+long kstep_draw(uint8_t *state, const float *probs, long rows, long width, long *out);
 
 // ---- cpu_decode.c ----
 // One projection y[0:out] = x @ W.T (+ bias): float32 W (out, in), or int8 codes with a float32 scale
