@@ -85,3 +85,26 @@ def test_preempted_requests_resume_to_the_output_they_get_alone(tight_server, st
 def test_a_request_whose_completion_cannot_fit_the_pool_is_refused_at_once(tight_server):
     with pytest.raises(openai.BadRequestError, match="--kv-cache-memory"):
         client(tight_server).completions.create(model="ar", prompt=[5, 6], max_tokens=200)
+
+
+@pytest.fixture(scope="module")
+def tight_block_server(tmp_path_factory):
+    """A block-diffusion model (SDAR, blocks of 4: a page each) on a pool of 30 pages: a request's cache
+    starts at its prompt and first blocks (3 pages) and grows block by block to 13."""
+    path = write_random_checkpoint(tmp_path_factory.mktemp("sdar"), family="sdar", seed=13)
+    runner = kstep.load(path).runner
+    budget = 31 * 4 * bytes_per_token(runner.model.kv_geometry(), runner.dtype)  # 30 pages and the trash page
+    with running_server(path, "--served-model-name", "ar", "--kv-cache-memory", str(budget), "--max-batch-size", "8",
+                        log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
+        yield url
+
+
+def test_a_block_models_caches_grow_and_its_preempted_requests_resume_as_alone(tight_block_server):
+    bodies = [{"prompt": [3 + i, 40 + i, 7], "max_tokens": 40, "temperature": 0.8 * (i % 2), "seed": 200 + i,
+               "ignore_eos": True} for i in range(6)]
+    alone = _run(tight_block_server, bodies, False, together=False)
+    burst = _run(tight_block_server, bodies, True, together=True)
+    assert [text for text, _ in burst] == [text for text, _ in alone]
+    assert sum(usage.get("preemptions", 0) for _, usage in burst) > 0
+    health = httpx.get(tight_block_server + "/health").json()["models"]["ar"]["kv_pool"]["model"]
+    assert health["pages"]["used"] == 0 and health["page_tokens"] == 4

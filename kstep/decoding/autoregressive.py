@@ -15,6 +15,7 @@ short prefill (SGLang's jump-forward decoding).
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
+from kstep.decoding.kv_growth import GrowingCache
 from kstep.decoding.sampling import OutputRules, constrain, pick_tokens
 from kstep.decoding.unmask import top_request
 from kstep.outputs import StepOutput
@@ -44,11 +45,10 @@ class AutoregressiveDecoder(Decoder):
         self.stop_ids, self.pad_id, self.generator = stop_ids, pad_id, generator
         B, P = prompts.shape
         N = params.max_tokens
-        # The cache grows as the completion does (`_room`): the prompt and a first page now, all of it only
-        # if it fits the pool at all (a request that never could is refused now).
-        pool = runner.check_kv_fits(B, P + N)
-        self.whole_pages = lambda slots: min(P + N, pool.pages.pages_for(slots) * pool.page_tokens)
-        self.kv = runner.allocate_kv(B, self.whole_pages(P + min(N, FIRST_GROWTH)))
+        # The cache grows as the completion does (kv_growth.py): the prompt and a first page now, all of it
+        # only if it fits the pool at all (a request that never could is refused now).
+        self.cache = GrowingCache(runner, B, P, P + N)
+        self.kv = self.cache.room(None, P + min(N, FIRST_GROWTH))
         if key_mask is not None:
             positions = positions_from_padding(key_mask)
             key_mask = torch.cat([key_mask, torch.ones(B, N, dtype=torch.bool, device=prompts.device)], dim=1)
@@ -101,14 +101,9 @@ class AutoregressiveDecoder(Decoder):
         return True
 
     def _room(self, slots: int) -> None:
-        """A cache of at least `slots` slots: moved into one twice the completion's part so far (whole
-        pages, at most prompt + max_tokens) when it is short. PoolFull, nothing changed, when the pool has no room:
-        the engine preempts a request and asks again."""
-        if self.kv is None:  # evicted: a cache again
-            self.kv = self.runner.allocate_kv(self.prompts.shape[0], self.whole_pages(slots))
-        elif self.kv.length < slots:
-            P, have = self.prompts.shape[1], self.kv.length
-            self.kv = self.runner.grow_kv(self.kv, self.whole_pages(max(slots, P + 2 * (have - P))))
+        """A cache of at least `slots` slots (a new one after an eviction; PoolFull, nothing changed,
+        when the pool has no room: the engine preempts a request and asks again)."""
+        self.kv = self.cache.room(self.kv, slots)
 
     def reserve(self) -> None:
         self._room(self.prompts.shape[1] + self.params.max_tokens)

@@ -31,6 +31,7 @@ from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, final_ro
 from kstep.decoding.block_prefill import BlockPrefill
 from kstep.decoding.block_unmask import block_scores, choose_in_block, open_columns, scheduled
 from kstep.decoding.exact_step import BlockExactStep
+from kstep.decoding.kv_growth import GrowingCache
 from kstep.decoding.sampling import OutputRules, constrain
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.token_editing import TokenEditing
@@ -66,7 +67,9 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep, BlockPrefill):
         self.canvas = torch.cat([prompts, prompts.new_full((B, slots - W), self.mask_id)], 1)
         self.real = torch.cat([key_mask if key_mask is not None else torch.ones_like(prompts, dtype=torch.bool),
                                torch.ones(B, slots - W, dtype=torch.bool, device=device)], 1)
-        self.kv = runner.allocate_kv(B, slots + self.spare_slots)
+        # the cache grows block by block (kv_growth.py): the prompt and a first pass's blocks now
+        self.cache = GrowingCache(runner, B, W, slots + self.spare_slots)
+        self.kv = self.cache.room(None, W + (2 if self.fused else 1) * bs + self.spare_slots)
         self.block_starts = self.prompt_lengths // bs * bs  # (B,) position of each row's current block
         self.phase = torch.full((B,), DENOISE, dtype=torch.long, device=device)
         self.passes_in_block = torch.zeros(B, dtype=torch.long, device=device)
@@ -89,6 +92,9 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep, BlockPrefill):
         self.num_cached_tokens, self.columns = 0, None  # columns: the last pass's columns with logits
         self.row_nfe, self.nfe, self.is_finished = torch.zeros(B, dtype=torch.long, device=device), 0, False
 
+    def reserve(self) -> None:
+        self.kv = self.cache.room(self.kv, self.cache.most)
+
     def step_tokens(self) -> int:
         """A pass over every row's block (and the next one's, when a commit is fused)."""
         return self.canvas.shape[0] * self.params.block_length * (2 if self.fused else 1)
@@ -104,6 +110,7 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep, BlockPrefill):
         bs = self.params.block_length
         width = 2 * bs if self._fuses_commit() else bs
         starts = self.pads + self.block_starts  # (B,) slot of each row's block
+        self.kv = self.cache.room(self.kv, int(starts.max()) + width + self.spare_slots)
         index = starts[:, None] + torch.arange(width, device=starts.device)  # (B, width)
         ids = self.canvas.gather(1, index)
         positions = self.block_starts[:, None] + torch.arange(width, device=starts.device)

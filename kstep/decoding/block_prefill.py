@@ -46,6 +46,7 @@ class BlockPrefill:
         if self.prefill_budget is not None and (end - start) * B > self.prefill_budget:
             return []
         self.prefilled = end
+        self.kv = self.cache.room(self.kv, end)  # (the first room has the prompt's slots already)
         key_mask = self.real[:, :end] if padded else None
         prefill = self.runner.block_prefill_pass(self.canvas[:, :end], key_mask, bs, self.kv, start)
         if end == last and self.fused_prefill:

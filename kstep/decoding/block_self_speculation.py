@@ -33,7 +33,9 @@ class BlockSelfSpeculativeDecoder(Decoder):
         self.tokens = torch.zeros(B, bs, dtype=torch.long, device=device)
         self.confidence = torch.zeros(B, bs, device=device)
         self.verified = torch.zeros(B, num_draft_tokens, dtype=torch.bool, device=device)
-        # (B * K rows) from the KV pool when the request joins (admission counts them)
+        # Whole caches when the request joins (admission counts them): a kept draft's cache row becomes
+        # the row's cache, so the exact sampler's must hold every block a draft may write.
+        exact.reserve()
         self.draft_kv = exact.runner.allocate_kv(B * num_draft_tokens, exact.canvas.shape[1] + exact.spare_slots)
         self.kinds: list[str] = []
         self.nfe, self.is_finished = 0, exact.is_finished
