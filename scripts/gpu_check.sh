@@ -4,6 +4,8 @@
 #   env           nvidia-smi, python, torch, CUDA and the packages kstep imports (versions or "missing");
 #   smoke_cuda    every family generates in bf16 on the GPU: its batch equals its rows alone, draft self
 #                 equals exact (LinearSpec equals AR on Nemotron), the MoE grouped matmul equals the loop;
+#   pool_cuda     the KV pool on the GPU: AR and block requests on a pool too small for all of them grow,
+#                 are preempted and resume to their output alone; a batch larger than the pool is refused;
 #   bench_passes  one pass at real shapes in bf16 against floors calibrated in the same run;
 #   bench_compare diffusion vs AR (--quick) on the bundled models in bf16;
 #   bench_decode  the block coder's exact, exact+self and threshold at N = 256, 1024 (a process per cell);
@@ -34,7 +36,7 @@
 set -uo pipefail
 
 # name:seconds, in the order they run (the sum is at most 540: tests/test_gpu_check_script.py)
-STEPS="env:15 smoke_cuda:90 bench_passes:100 bench_compare:60 bench_decode:85 tests_cpu:40 bench_serve:50 tp_cuda:60 bench_tp:40"
+STEPS="env:15 smoke_cuda:90 pool_cuda:30 bench_passes:70 bench_compare:60 bench_decode:85 tests_cpu:40 bench_serve:50 tp_cuda:60 bench_tp:40"
 BUDGET=${KSTEP_GPU_CHECK_SECONDS:-540}
 TEST_FILES="tests/test_moe_layer.py tests/test_llada2.py tests/test_block_diffusion.py tests/test_hf_parity.py"
 
@@ -117,6 +119,57 @@ for family, spec in FAMILIES.items():  # every family, one line each; a failure 
         print(family, "FAILED", flush=True)
         traceback.print_exc()
 print(f"{len(FAMILIES) - len(failed)}/{len(FAMILIES)} families ran", "failed: " + ", ".join(failed) if failed else "")
+sys.exit(1 if failed else 0)
+EOF
+}
+
+step_pool_cuda() {
+  "$PY" - <<'EOF'
+import os
+import sys
+
+import kstep
+from kstep.engine.engine import Engine
+from kstep.engine.request import Request
+from kstep.random_checkpoint import write_random_checkpoint
+from kstep.runner.kv_pool import KVBudgetExceeded, bytes_per_token
+
+device, dtype, scratch = os.environ["DEV"], os.environ["DTYPE"], os.environ["SCRATCH"]
+failed = []
+for family, pages in (("qwen2", 12), ("sdar", 30)):  # a pool that holds a few of the requests' whole caches
+    path = write_random_checkpoint(f"{scratch}/pool-{family}", family=family, seed=2)
+    probe = kstep.load(path, device=device, dtype=dtype)
+    page = probe.runner.kv_pool.page_tokens
+    budget = (pages + 1) * page * bytes_per_token(probe.model.kv_geometry(), probe.runner.dtype)
+    del probe
+    llm = kstep.load(path, device=device, dtype=dtype, kv_cache_memory=budget)
+    params = llm.resolve(kstep.GenerationParams(max_tokens=40, temperature=0, ignore_eos=True))
+    prompts = [[3 + i, 40 + i, 7] for i in range(6)]
+
+    def run(requests):
+        engine = Engine(llm, max_batch_size=8)
+        for request in requests:
+            engine.add_request(request)
+        while engine.has_work():
+            engine.step()
+        return engine.preemptions
+
+    together = [Request([p], params) for p in prompts]
+    preemptions = run(together)
+    alone = []
+    for p in prompts:
+        request = Request([p], params)
+        run([request])
+        alone.append(request.output_ids)
+    same = [r.output_ids for r in together] == alone
+    try:
+        llm.generate([[5, 6]] * 64, max_tokens=40)
+        refused = False
+    except KVBudgetExceeded:
+        refused = True
+    print(family, "preemptions", preemptions, "same as alone", same, "too big refused", refused, flush=True)
+    if not (same and refused and preemptions > 0):
+        failed.append(family)
 sys.exit(1 if failed else 0)
 EOF
 }
