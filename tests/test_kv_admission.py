@@ -56,7 +56,7 @@ def test_a_burst_runs_as_the_pool_allows_each_output_as_alone(tight_server, alon
     assert metric(tight_server, "kstep_batch_size_bucket", 'model="ar",le="2.0"') == steps
     assert metric(tight_server, "kstep_queue_seconds_count", 'model="ar"') == len(PROMPTS)
     health = httpx.get(tight_server + "/health").json()["models"]["ar"]["kv_pool"]["model"]
-    assert health["pages"] == {"total": 5, "used": 0, "free": 5} and health["page_tokens"] == 16
+    assert health["pages"] == {"total": 5, "used": 0, "cached": 0, "free": 5} and health["page_tokens"] == 16
     assert metric(tight_server, "kstep_kv_pool_pages", 'model="ar",state="total"') == 5
 
 

@@ -28,7 +28,7 @@ def test_a_cache_is_a_view_of_the_pool_and_its_pages_come_back_when_dropped():
     a[0][0][1, 1, 5] = 7.0  # written through the view: lands in the pool's storage
     assert int((pool.storage[0][0] == 7.0).sum()) == 4
     b = pool.allocate(1, 16)
-    assert pool.usage() == {"total": 8, "used": 8, "free": 0}
+    assert pool.usage() == {"total": 8, "used": 8, "cached": 0, "free": 0}
     b[1][1].fill_(1.0)
     assert int((a[1][1] == 1.0).sum()) == 0  # caches never share a slot
     with pytest.raises(PoolFull, match="has not the pages for 1 rows of 1 slots"):

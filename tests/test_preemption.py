@@ -79,7 +79,9 @@ def test_preempted_requests_resume_to_the_output_they_get_alone(tight_server, st
     assert preempted > 0 and metric(tight_server, "kstep_preemptions_total", 'model="ar"') - before == preempted
     assert all(json.loads(text).keys() == {"name", "n"} for text, _ in burst[6:])
     health = httpx.get(tight_server + "/health").json()["models"]["ar"]["kv_pool"]["model"]["pages"]
-    assert health["used"] == 0 and health["total"] == 8
+    assert health["used"] == 0 and health["total"] == 8  # (the prompts' cached prefix blocks: `cached`)
+    assert health["cached"] + health["free"] == 8
+    assert metric(tight_server, "kstep_kv_pool_pages", 'model="ar",state="cached"') == health["cached"]
 
 
 def test_a_request_whose_completion_cannot_fit_the_pool_is_refused_at_once(tight_server):

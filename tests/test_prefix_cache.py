@@ -66,3 +66,23 @@ def test_server_reports_prefix_hits(llama_path):
         hits = next(float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith('kstep_prefix_cache_hit_tokens{model="tiny"} '))
         assert hits > 0
+
+
+def test_cached_blocks_are_pages_of_the_pool_that_requests_take_back(llama_path):
+    """The prefix cache keeps its blocks in the model's KV pool (one budget): they hold pages while no
+    request needs them, and a request that finds the pool short evicts them (least recently used
+    first) instead of waiting; outputs are as without the cache."""
+    from kstep.runner.kv_pool import bytes_per_token
+    probe = kstep.load(llama_path)
+    slot = bytes_per_token(probe.model.kv_geometry(), probe.runner.dtype)
+    llm = kstep.load(llama_path, kv_cache_memory=15 * 16 * slot)  # 14 pages of 16 and the trash page
+    pool = llm.runner.kv_pool
+    header = llm.encode_prompt(HEADER)[:96]  # 6 blocks of 16
+    engine = Engine(llm, prefix_cache_bytes=64 << 20)
+    run_all(engine, [header + [5]])
+    cache = engine.prefix_cache
+    assert len(cache.blocks) == 6 and pool.pages.capacity - pool.pages.num_free == 6  # the blocks' pages, held
+    long_prompt = [7 + i % 50 for i in range(150)]  # 150 + 12 slots: 11 pages, only 8 of them free
+    [got] = run_all(engine, [long_prompt])
+    assert len(cache.blocks) < 6  # evicted to make room, the request admitted at once
+    assert got == run_all(Engine(probe), [long_prompt])[0]

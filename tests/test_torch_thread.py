@@ -7,7 +7,8 @@ import threading
 
 import kstep
 from kstep.engine.async_engine import AsyncEngine, torch_thread
-from kstep.engine.engine import Engine, warm_up
+from kstep.engine.engine import Engine
+from kstep.engine.offline import warm_up
 from kstep.engine.request import Request
 from kstep.params import GenerationParams
 

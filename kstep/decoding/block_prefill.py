@@ -45,8 +45,8 @@ class BlockPrefill:
         end = next_chunk_end(start, last, needed_from, bs, None if padded else self.prefill_chunk)
         if self.prefill_budget is not None and (end - start) * B > self.prefill_budget:
             return []
-        self.prefilled = end
         self.kv = self.cache.room(self.kv, end)  # (the first room has the prompt's slots already)
+        self.prefilled = end
         key_mask = self.real[:, :end] if padded else None
         prefill = self.runner.block_prefill_pass(self.canvas[:, :end], key_mask, bs, self.kv, start)
         if end == last and self.fused_prefill:

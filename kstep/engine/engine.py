@@ -20,7 +20,7 @@ from kstep.engine.scheduler import Scheduler
 from kstep.engine.text_stream import TextStream, canvas_pieces, render_canvas
 from kstep.engine.served_model import ServedModel
 from kstep.outputs import StepOutput
-from kstep.params import DIFFUSION, knob_applies
+from kstep.params import DIFFUSION
 from kstep.runner.kv_pages import PoolFull
 from kstep.runner.kv_pool import KVBudgetExceeded
 from kstep.runner.model_runner import execute_passes
@@ -126,11 +126,7 @@ class Engine:
             runner.synchronize()
         share = (time.perf_counter() - start) / max(1, len(flat))
         for request, request_passes in zip(batch, passes, strict=True):
-            timings = request.timings
-            for p in request_passes:
-                timings[f"{p.kind}_pass_seconds"] = timings.get(f"{p.kind}_pass_seconds", 0.0) + share
-                timings[f"num_{p.kind}_passes"] = timings.get(f"num_{p.kind}_passes", 0) + 1
-                timings["positions_computed"] = timings.get("positions_computed", 0) + p.num_tokens
+            request.count_passes([(p.kind, p.num_tokens) for p in request_passes], share)
         return outputs
 
     def _next_passes(self, batch: list[Request]) -> list[list]:
@@ -146,6 +142,8 @@ class Engine:
                 try:
                     out[id(request)] = passes = request.decoder.next_passes()
                 except PoolFull:
+                    if self._evict_cached_prefix():
+                        continue
                     victim = next(r for r in reversed(order[i:]) if id(r) not in preempted)
                     self._preempt(victim)
                     preempted.add(id(victim))
@@ -155,6 +153,11 @@ class Engine:
                 prefilled |= any(p.kind == "prefill" for p in passes)
                 break
         return [[] if id(r) in preempted else out.get(id(r), []) for r in batch]
+
+    def _evict_cached_prefix(self) -> bool:
+        """A cached prefix block gives its pages back (the least recently used leaf), before a request
+        waits or is preempted for pages: True if one did."""
+        return self.prefix_cache is not None and self.prefix_cache.evict_leaf()
 
     def _preempt(self, request: Request) -> None:
         """Its KV pages go back; it waits at the head of the queue and resumes by recomputing what it
@@ -190,7 +193,8 @@ class Engine:
         output; WAIT when the pool has not the pages free now; a failure fails only this request (a 400
         when its caches exceed the whole pool: it could never run)."""
         request.admitted_time = time.monotonic()
-        for attempt in range(2):
+        attempt = 0
+        while attempt < 2:
             try:
                 if request.decoder is None:
                     request.decoder = self._make_decoder(request)
@@ -205,10 +209,13 @@ class Engine:
             except (ValueError, RuntimeError) as e:  # e.g. out of memory for a step's work
                 request.exception = e
                 return self._refuse(request, str(e), 500, "engine_error")
+            if self._evict_cached_prefix():
+                continue
             if any(r.decoder is not None for r in self.scheduler.running if r is not request):
                 self._refused_at = self.scheduler.departed  # the others free pages as they finish
                 return WAIT
             gc.collect()  # alone: only a cache held in a reference cycle can still free pages
+            attempt += 1
         else:
             pools = ", ".join(f"{r.kv_pool.capacity_tokens} slots ({r.kv_pool.nbytes / 2**20:.1f} MiB)"
                               for r in self._runners())
@@ -290,11 +297,3 @@ class Engine:
                              prompt_tokens=sum(len(p) for p in request.prompts),
                              completion_tokens=sum(s.num_tokens for s in streams), limit=request.limit,
                              stats=request.stats if request.is_finished else {})
-
-
-def warm_up(llm: ServedModel) -> None:
-    """One tiny generation so the first request does not pay for lazy initialisation."""
-    # (a random-start model: one decoder pass, not a canvas's worth)
-    quick = {"max_denoising_steps": 1} if knob_applies("max_denoising_steps", llm.cfg.family, llm.kind) else {}
-    with torch.inference_mode():
-        llm.generate([llm.pad_id if llm.pad_id != llm.cfg.mask_token_id else 0], max_tokens=2, **quick)

@@ -67,6 +67,13 @@ class Request:
         self.nfe, self.row_nfe = out.nfe, out.row_nfe
         self.is_finished = out.is_finished
 
+    def count_passes(self, passes: list[tuple[str, int]], seconds_each: float) -> None:
+        """Add a step's passes of this request, (kind, tokens) each, and their share of its time."""
+        for kind, tokens in passes:
+            self.timings[f"{kind}_pass_seconds"] = self.timings.get(f"{kind}_pass_seconds", 0.0) + seconds_each
+            self.timings[f"num_{kind}_passes"] = self.timings.get(f"num_{kind}_passes", 0) + 1
+            self.timings["positions_computed"] = self.timings.get("positions_computed", 0) + tokens
+
     def preempt(self) -> None:
         """Its KV pages go. A decoder that can drop its caches alone (Decoder.evict: AR) is kept and
         resumes where it was; another goes, and the request recomputes from its prompt, what it

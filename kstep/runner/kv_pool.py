@@ -77,10 +77,12 @@ class KVPool:
         """Slots that can ever be granted (the trash page's are not)."""
         return self.pages.capacity * self.page_tokens
 
-    def usage(self) -> dict[str, int]:
-        """Pages by state, for metrics and /health."""
-        return {"total": self.pages.capacity, "used": self.pages.capacity - self.pages.num_free,
-                "free": self.pages.num_free}
+    def usage(self, cached: int = 0) -> dict[str, int]:
+        """Pages by state, for metrics and /health: `cached` of the pages in use are a prefix cache's
+        (runner/prefix_cache.py), which a request takes back when it needs them."""
+        free = self.pages.num_free
+        return {"total": self.pages.capacity, "used": self.pages.capacity - free - cached, "cached": cached,
+                "free": free}
 
     def allocate(self, batch: int, length: int) -> PagedKV:
         """A cache of `batch` rows of `length` slots from free pages (PoolFull when no run of them is

@@ -111,8 +111,9 @@ class ModelRunner:
         copy_rows(src, dst, src_rows, dst_rows)
 
     def make_prefix_cache(self, budget_bytes: int, block_size: int) -> PrefixCache:
-        """A prefix cache for this model's requests (a tensor-parallel runner's is kept on every rank)."""
-        return PrefixCache(budget_bytes, block_size)
+        """A prefix cache for this model's requests, its blocks in pages of the model's KV pool (a
+        tensor-parallel runner's is kept on every rank)."""
+        return PrefixCache(budget_bytes, block_size, allocate=lambda slots: self.allocate_kv(1, slots))
 
     def _positions(self, key_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
         if key_mask is None:

@@ -5,18 +5,26 @@ The prompt is cut into blocks of `block_size` tokens; a block is addressed by it
 parent block's key (so equal blocks after different prefixes never mix). A block holds its
 keys/values for every layer. A block is referenced by its children; only unreferenced blocks (the
 leaves) are evicted, least recently used first, when the memory budget is exceeded. Requests copy
-blocks into their own preallocated cache, so an eviction never touches a running request.
+blocks into their own cache, so an eviction never touches a running request.
+
+A model's prefix cache keeps its blocks in pages of the model's KV pool (runner/kv_pool.py), so the
+pool is the one budget: cached blocks hold pages only while no request needs them (the engine evicts
+the least recently used leaves before it makes a request wait or preempts one), and the cache's own
+budget (--prefix-cache-mib) is a ceiling inside the pool. A block that finds no free pages is not
+stored. (A tensor-parallel model's ranks keep theirs as tensors of their own, mirrored from rank 0.)
 
 Only causal models: in a bidirectional (diffusion) model a prompt token's keys/values depend on
 everything after it, including the masked canvas, so a shared prefix does not have shared keys.
 """
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kstep.layers.attention import KVCache
+from kstep.runner.kv_pages import PoolFull
 
 
 @dataclass(slots=True)
@@ -25,6 +33,11 @@ class Block:
     keys: list[torch.Tensor]      # per layer (Hkv, block_size, hd)
     values: list[torch.Tensor]
     children: int = 0
+    pages: object = None          # the pool's cache the keys and values are views of (its pages go with it)
+
+    @property
+    def num_pages(self) -> int:
+        return 0 if self.pages is None else self.pages.num_pages
 
     @property
     def nbytes(self) -> int:
@@ -32,12 +45,15 @@ class Block:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, block_size: int = 16):
+    def __init__(self, budget_bytes: int, block_size: int = 16, allocate: Callable[[int], KVCache] | None = None):
+        """`allocate(slots)`: a one-row KV cache from the model's pool for a block (PoolFull when none
+        is free); None: blocks are tensors of their own."""
         if budget_bytes < 0 or block_size <= 0:
             raise ValueError(f"prefix cache budget ({budget_bytes}) must be >= 0 and block size ({block_size}) > 0")
-        self.budget, self.block_size = budget_bytes, block_size
+        self.budget, self.block_size, self.allocate = budget_bytes, block_size, allocate
         self.blocks: OrderedDict[int, Block] = OrderedDict()  # in LRU order, oldest first
         self.nbytes = 0
+        self.num_pages = 0  # pool pages its blocks hold (0 when they are tensors of their own)
         self.hit_tokens = self.query_tokens = 0
         self._lock = threading.Lock()
 
@@ -76,22 +92,48 @@ class PrefixCache:
                 if key in self.blocks:
                     self.blocks.move_to_end(key)
                 else:
-                    span = slice(i * self.block_size, (i + 1) * self.block_size)
-                    block = Block(parent, [k[row, :, span].clone() for k, _ in kv],
-                                  [v[row, :, span].clone() for _, v in kv])
+                    block = self._block(parent, kv, row, slice(i * self.block_size, (i + 1) * self.block_size))
+                    if block is None:  # no free pages: this block and those after it are not kept
+                        break
                     self.blocks[key] = block
                     self.nbytes += block.nbytes
+                    self.num_pages += block.num_pages
                     if parent is not None:
                         self.blocks[parent].children += 1
                 parent = key
             self._evict()
 
+    def _block(self, parent: int | None, kv: KVCache, row: int, span: slice) -> Block | None:
+        """A block holding kv's `row` at slots `span`: in pages of the pool (None when none are free),
+        or copies of its own."""
+        if self.allocate is None:
+            return Block(parent, [k[row, :, span].clone() for k, _ in kv], [v[row, :, span].clone() for _, v in kv])
+        try:
+            pages = self.allocate(self.block_size)
+        except PoolFull:
+            return None
+        for (k_page, v_page), (k, v) in zip(pages, kv, strict=True):
+            k_page[0].copy_(k[row, :, span])
+            v_page[0].copy_(v[row, :, span])
+        return Block(parent, [k[0] for k, _ in pages], [v[0] for _, v in pages], pages=pages)
+
+    def evict_leaf(self) -> bool:
+        """Evict the least recently used block nothing refers to (its pages go back to the pool): a
+        request needs them. False when there is none."""
+        with self._lock:
+            return self._evict_one()
+
     def _evict(self) -> None:
-        while self.nbytes > self.budget:
-            victim = next((key for key, b in self.blocks.items() if b.children == 0), None)
-            if victim is None:
-                return
-            block = self.blocks.pop(victim)
-            self.nbytes -= block.nbytes
-            if block.parent is not None and block.parent in self.blocks:
-                self.blocks[block.parent].children -= 1
+        while self.nbytes > self.budget and self._evict_one():
+            pass
+
+    def _evict_one(self) -> bool:
+        victim = next((key for key, b in self.blocks.items() if b.children == 0), None)
+        if victim is None:
+            return False
+        block = self.blocks.pop(victim)
+        self.nbytes -= block.nbytes
+        self.num_pages -= block.num_pages
+        if block.parent is not None and block.parent in self.blocks:
+            self.blocks[block.parent].children -= 1
+        return True

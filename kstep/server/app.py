@@ -20,7 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kstep.distributed.runner import TensorParallelRunner
 from kstep.engine.async_engine import AsyncEngine
-from kstep.engine.engine import Engine, warm_up
+from kstep.engine.engine import Engine
+from kstep.engine.offline import warm_up
 from kstep.engine.request import RequestLimits
 from kstep.llm import LLM
 from kstep.params.validation import MAX_PASSES_PER_POSITION
@@ -78,7 +79,7 @@ def _route(m: ServedModel, config: ServeConfig, metrics: Metrics) -> ModelRoute:
                     config.max_num_batched_tokens)
     model_metrics = metrics.for_model(m.name)
     model_metrics.watch(engine.scheduler)
-    model_metrics.watch_pools(m.llm)
+    model_metrics.watch_pools(m.llm, engine.prefix_cache)
     return ModelRoute(m.name, m.llm, m.defaults, AsyncEngine(engine, model_metrics.observe_step, m.executor,
                                                              rank_check(m.llm)), model_metrics)
 

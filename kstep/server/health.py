@@ -4,8 +4,8 @@ status code a probe reads.
 - `/health`: 200 while at least one model is up, `status` "ok" (all up) or "degraded" (some down:
   the rest still serve, so a readiness probe keeps routing to them); 503 with "down" once none is
   (kstep serve is then exiting non-zero).
-- Each model's entry has its KV pool's budget and its pages in use (`kv_pool`), its draft model's
-  beside it.
+- Each model's entry has its KV pool's budget and its pages by state (`kv_pool`: used by requests,
+  cached by the prefix cache, free), its draft model's beside it.
 - `/health?model=NAME`: 200 if that model is up, 503 if it is down (a probe for one model: point
   a liveness probe at the model a replica must serve, so a pod that lost it is restarted); 404 for
   a name not served.
@@ -21,12 +21,14 @@ from kstep.server.errors import APIError
 from kstep.server.routes import ModelRoute, Routes
 
 
-def kv_pools(llm) -> dict:
-    """The model's KV pool (and its draft model's), budget and pages by state."""
+def kv_pools(llm, prefix_cache=None) -> dict:
+    """The model's KV pool (and its draft model's), budget and pages by state (the model's prefix
+    cache's pages as `cached`)."""
     pools = {"model": llm.runner.kv_pool}
     if getattr(llm.drafter, "kv_pool", None) is not None:
         pools["draft"] = llm.drafter.kv_pool
-    return {name: {"bytes": pool.nbytes, "page_tokens": pool.page_tokens, "pages": pool.usage()}
+    cached = {"model": 0 if prefix_cache is None else prefix_cache.num_pages}
+    return {name: {"bytes": pool.nbytes, "page_tokens": pool.page_tokens, "pages": pool.usage(cached.get(name, 0))}
             for name, pool in pools.items() if pool is not None}
 
 
@@ -36,7 +38,7 @@ def model_health(route: ModelRoute) -> dict:
     out = {"status": "ok" if is_up else "down", "running": scheduler.num_running, "waiting": scheduler.num_waiting}
     if not is_up:
         out["error"] = route.engine.down
-    out["kv_pool"] = kv_pools(route.llm)
+    out["kv_pool"] = kv_pools(route.llm, route.engine.engine.prefix_cache)
     runner = route.llm.runner
     if isinstance(runner, TensorParallelRunner):
         out["ranks"] = runner.ranks()

@@ -30,7 +30,7 @@ class Metrics:
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("kstep_batch_size", "Requests per forward pass", m,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
-        self.kv_pool_pages = Gauge("kstep_kv_pool_pages", "KV pool pages by state (used, free, total); a draft "
+        self.kv_pool_pages = Gauge("kstep_kv_pool_pages", "KV pool pages by state (used, cached, free, total); a draft "
                                    "model's under MODEL/draft", ["model", "state"], registry=r)
         self.preemptions = Counter("kstep_preemptions", "Requests preempted (KV pages taken back so another could "
                                    "grow; each resumed by recomputing)", m, registry=r)
@@ -91,14 +91,17 @@ class ModelMetrics:
         self.metrics.queue_depth.labels(self.model).set_function(lambda: scheduler.num_waiting)
         self.metrics.running.labels(self.model).set_function(lambda: scheduler.num_running)
 
-    def watch_pools(self, llm) -> None:
-        """The KV pool gauges read the pools at each scrape (the model's, and its draft model's)."""
-        pools = [(self.model, llm.runner.kv_pool), (f"{self.model}/draft", getattr(llm.drafter, "kv_pool", None))]
-        for label, pool in pools:
+    def watch_pools(self, llm, prefix_cache=None) -> None:
+        """The KV pool gauges read the pools at each scrape (the model's, its prefix cache's pages as
+        `cached`, and its draft model's)."""
+        pools = [(self.model, llm.runner.kv_pool, prefix_cache),
+                 (f"{self.model}/draft", getattr(llm.drafter, "kv_pool", None), None)]
+        for label, pool, cache in pools:
             if pool is None:
                 continue
-            for state in ("used", "free", "total"):
-                self.metrics.kv_pool_pages.labels(label, state).set_function(lambda p=pool, s=state: p.usage()[s])
+            for state in ("used", "cached", "free", "total"):
+                self.metrics.kv_pool_pages.labels(label, state).set_function(
+                    lambda p=pool, s=state, c=cache: p.usage(0 if c is None else c.num_pages)[s])
             self.metrics.kv_pool_bytes.labels(label).set(pool.nbytes)
 
     def observe_step(self, stats: StepStats, engine: Engine) -> None:
