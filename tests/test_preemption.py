@@ -29,13 +29,18 @@ def _bodies() -> list[dict]:
     return plain + chat
 
 
+def _tight_server(tmp_path_factory, family: str, seed: int, pages: int, page_tokens: int):
+    """A server of a random `family` model (served as "ar") on a pool of `pages` pages."""
+    path = write_random_checkpoint(tmp_path_factory.mktemp(family), family=family, seed=seed)
+    runner = kstep.load(path).runner
+    budget = (pages + 1) * page_tokens * bytes_per_token(runner.model.kv_geometry(), runner.dtype)  # + the trash page
+    return running_server(path, "--served-model-name", "ar", "--kv-cache-memory", str(budget), "--max-batch-size", "8",
+                          log=tmp_path_factory.mktemp("log") / "serve.log")
+
+
 @pytest.fixture(scope="module")
 def tight_server(tmp_path_factory):
-    path = write_random_checkpoint(tmp_path_factory.mktemp("qwen2"), family="qwen2", seed=12)
-    runner = kstep.load(path).runner
-    budget = 9 * 16 * bytes_per_token(runner.model.kv_geometry(), runner.dtype)  # 8 pages and the trash page
-    with running_server(path, "--served-model-name", "ar", "--kv-cache-memory", str(budget), "--max-batch-size", "8",
-                        log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
+    with _tight_server(tmp_path_factory, "qwen2", 12, pages=8, page_tokens=16) as (url, _):
         yield url
 
 
@@ -93,11 +98,7 @@ def test_a_request_whose_completion_cannot_fit_the_pool_is_refused_at_once(tight
 def tight_block_server(tmp_path_factory):
     """A block-diffusion model (SDAR, blocks of 4: a page each) on a pool of 30 pages: a request's cache
     starts at its prompt and first blocks (3 pages) and grows block by block to 13."""
-    path = write_random_checkpoint(tmp_path_factory.mktemp("sdar"), family="sdar", seed=13)
-    runner = kstep.load(path).runner
-    budget = 31 * 4 * bytes_per_token(runner.model.kv_geometry(), runner.dtype)  # 30 pages and the trash page
-    with running_server(path, "--served-model-name", "ar", "--kv-cache-memory", str(budget), "--max-batch-size", "8",
-                        log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
+    with _tight_server(tmp_path_factory, "sdar", 13, pages=30, page_tokens=4) as (url, _):
         yield url
 
 
