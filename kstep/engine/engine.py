@@ -137,12 +137,14 @@ class Engine:
         budget, prefilled, out, preempted = self.max_num_batched_tokens, False, {}, set()
         order = sorted(batch, key=lambda r: r.decoder.nfe == 0)
         for i, request in enumerate(order):
+            evictions = 1  # cached prefix blocks to give back before its next try
             while id(request) not in preempted:
                 request.decoder.prefill_budget = budget if prefilled else None
                 try:
                     out[id(request)] = passes = request.decoder.next_passes()
                 except PoolFull:
-                    if self._evict_cached_prefix():
+                    if self._evict_cached_prefix(evictions):
+                        evictions *= 2
                         continue
                     victim = next(r for r in reversed(order[i:]) if id(r) not in preempted)
                     self._preempt(victim)
@@ -154,10 +156,10 @@ class Engine:
                 break
         return [[] if id(r) in preempted else out.get(id(r), []) for r in batch]
 
-    def _evict_cached_prefix(self) -> bool:
-        """A cached prefix block gives its pages back (the least recently used leaf), before a request
-        waits or is preempted for pages: True if one did."""
-        return self.prefix_cache is not None and self.prefix_cache.evict_leaf()
+    def _evict_cached_prefix(self, count: int) -> bool:
+        """Up to `count` cached prefix blocks (LRU leaves) give their pages back before a request waits or
+        is preempted: True if one did (callers double `count` a try: few tries, not one a block)."""
+        return self.prefix_cache is not None and self.prefix_cache.evict_leaves(count) > 0
 
     def _preempt(self, request: Request) -> None:
         """Its KV pages go back; it waits at the head of the queue and resumes by recomputing what it
@@ -171,8 +173,7 @@ class Engine:
         """A time-budgeted request that ran alone tells the planner how far its plans scatter here."""
         for request in batch:
             request.ran_alone &= len(batch) == 1
-            if request.is_finished and request.plan is not None and request.ran_alone and request.limit is None \
-                    and request.num_rows == 1:  # a plan is for one row
+            if request.plan_outcome_counts:
                 self.llm.pass_costs.observe_outcome(request.plan.predicted_seconds, request.plan.passes,
                                                     time.monotonic() - request.admitted_time, request.nfe)
 
@@ -184,16 +185,12 @@ class Engine:
                 request.is_finished, request.limit = True, limit
                 self.scheduler.finish(request)
 
-    def _runners(self):
-        drafter = self.llm.drafter
-        return [self.llm.runner] + ([drafter] if hasattr(drafter, "kv_pool") else [])
-
     def _admit(self, request: Request) -> RequestOutput | object:
         """Create the request's decoder, its KV caches from the model's pool: the request's admitted
         output; WAIT when the pool has not the pages free now; a failure fails only this request (a 400
         when its caches exceed the whole pool: it could never run)."""
         request.admitted_time = time.monotonic()
-        attempt = 0
+        attempt, evictions = 0, 1
         while attempt < 2:
             try:
                 if request.decoder is None:
@@ -204,12 +201,11 @@ class Engine:
             except PoolFull:
                 pass  # out of the except clause: a half-made decoder's caches go with its traceback
             except KVBudgetExceeded as e:
-                request.exception = e
-                return self._refuse(request, str(e), 400, "kv_budget_exceeded")
+                return self._refuse(request, str(e), 400, "kv_budget_exceeded", e)
             except (ValueError, RuntimeError) as e:  # e.g. out of memory for a step's work
-                request.exception = e
-                return self._refuse(request, str(e), 500, "engine_error")
-            if self._evict_cached_prefix():
+                return self._refuse(request, str(e), 500, "engine_error", e)
+            if self._evict_cached_prefix(evictions):
+                evictions *= 2
                 continue
             if any(r.decoder is not None for r in self.scheduler.running if r is not request):
                 self._refused_at = self.scheduler.departed  # the others free pages as they finish
@@ -217,8 +213,9 @@ class Engine:
             gc.collect()  # alone: only a cache held in a reference cycle can still free pages
             attempt += 1
         else:
+            runners = [self.llm.runner] + ([self.llm.drafter] if hasattr(self.llm.drafter, "kv_pool") else [])
             pools = ", ".join(f"{r.kv_pool.capacity_tokens} slots ({r.kv_pool.nbytes / 2**20:.1f} MiB)"
-                              for r in self._runners())
+                              for r in runners)
             return self._refuse(request, f"this request's KV caches do not fit the model's KV pool even alone "
                                          f"({pools}: --kv-cache-memory / --memory-utilization); ask for fewer "
                                          "tokens or rows", 400, "kv_budget_exceeded")
@@ -260,7 +257,9 @@ class Engine:
             decoder.reserve()
         return decoder
 
-    def _refuse(self, request: Request, message: str, status: int, code: str) -> RequestOutput:
+    def _refuse(self, request: Request, message: str, status: int, code: str,
+                cause: BaseException | None = None) -> RequestOutput:
+        request.exception = cause  # (LLM.generate raises it again)
         self.scheduler.finish(request)
         return RequestOutput(request.request_id, [], 0, is_finished=True, error=message, error_status=status,
                              error_code=code)

@@ -85,6 +85,13 @@ class Request:
         self.replayed = [[] for _ in self.output_ids] if self.output_ids else None
 
     @property
+    def plan_outcome_counts(self) -> bool:
+        """A time budget's plan whose outcome tells the planner how far plans scatter here: the request
+        finished alone, by its own end (no server limit), one row (a plan is for one)."""
+        return self.is_finished and self.plan is not None and self.ran_alone and self.limit is None \
+            and self.num_rows == 1
+
+    @property
     def num_rows(self) -> int:
         return len(self.prompts) * self.n
 

@@ -117,11 +117,15 @@ class PrefixCache:
             v_page[0].copy_(v[row, :, span])
         return Block(parent, [k[0] for k, _ in pages], [v[0] for _, v in pages], pages=pages)
 
-    def evict_leaf(self) -> bool:
-        """Evict the least recently used block nothing refers to (its pages go back to the pool): a
-        request needs them. False when there is none."""
+    def evict_leaves(self, count: int) -> int:
+        """Evict up to `count` blocks, each the least recently used one nothing refers to (a parent
+        becomes one once its children are gone): their pages go back to the pool, a request needs
+        them. How many went."""
         with self._lock:
-            return self._evict_one()
+            evicted = 0
+            while evicted < count and self._evict_one():
+                evicted += 1
+            return evicted
 
     def _evict(self) -> None:
         while self.nbytes > self.budget and self._evict_one():
