@@ -91,15 +91,16 @@ def test_a_block_model_prefills_in_chunks_of_whole_blocks(tmp_path, family, sett
     params = dict(max_tokens=4 * bs, temperature=0, **settings)
     requests = [Request([p], llm.resolve(kstep.GenerationParams(**params))) for p in (short, long_prompt)]
     steps = _run(Engine(llm, max_num_batched_tokens=chunk), requests, {1: 1})
-    assert requests[1].nfe >= 20 // 4  # its prompt took several passes
     assert max(s.num_tokens for s in steps) <= chunk + 3 * bs + 2 * bs * (1 + bool(settings.get("draft")) * 4)
-    prefill_steps = [s for s in steps[1:] if s.num_tokens >= chunk]
-    assert len(prefill_steps) >= 4 and all(s.num_committed >= 0 for s in prefill_steps)
+    # its first chunk ran beside the short request's pass; under self-speculation the short one's K
+    # drafts fill the budget alone (step_tokens), so the long one joins once it has finished
+    assert steps[1].batch_size == (1 if settings.get("draft") else 2)
     for request in requests:  # as alone, unchunked
         again = Request(request.prompts, request.params)
         _run(Engine(llm, max_num_batched_tokens=None), [again])
         assert again.output_ids == request.output_ids
-    assert again.nfe < requests[1].nfe  # unchunked, the long prompt took fewer passes
+    # 20 blocks in chunks of 4 blocks: at least 4 whole chunks before the last, each a pass of its own
+    assert requests[1].nfe - again.nfe >= 4
 
 
 def test_generate_is_one_request_on_the_engine(llm):

@@ -80,10 +80,9 @@ class AutoregressiveDecoder(Decoder):
             self._room(P)
             start = self.prefilled = self.num_cached_tokens = 0 if self.prefix_cache is None else \
                 self.prefix_cache.load(self.prompts[0].tolist(), self.kv, P - 1)
-        if self.prefill_chunk is not None:
-            end = min(end, start + self.prefill_chunk)
         is_prefill = start < P + self.num_generated - self.pending  # more than a decode step's tokens
-        if is_prefill and self.prefill_budget is not None and (end - start) * self.prompts.shape[0] > self.prefill_budget:
+        end = self.next_chunk(start, end, self.prompts.shape[0] if is_prefill else 0)
+        if end is None:
             return None  # waits for a step with room
         self._room(end)
         self.prefilled = end

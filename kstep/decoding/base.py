@@ -104,6 +104,17 @@ class Decoder(ABC):
     def update(self, logits: list[torch.Tensor]) -> StepOutput:
         """Apply the step given each pass's logits, in the order `next_passes` returned them."""
 
+    def prefill_fits(self, tokens: int) -> bool:
+        """Whether a prefill pass of `tokens` tokens fits what the step has left (prefill_budget)."""
+        return self.prefill_budget is None or tokens <= self.prefill_budget
+
+    def next_chunk(self, start: int, end: int, rows: int) -> int | None:
+        """Where this step's causal prefill pass from column `start` ends: `end`, or its chunk's end
+        before it (prefill_chunk); None when that pass of `rows` rows does not fit the step (it waits)."""
+        if self.prefill_chunk is not None:
+            end = min(end, start + self.prefill_chunk)
+        return end if self.prefill_fits((end - start) * rows) else None
+
     def evict(self) -> bool:
         """Drop its KV caches (their pages go back) and keep everything else, to resume where it was
         (the next passes rebuild the caches): True if it can. False: the engine drops the decoder, and

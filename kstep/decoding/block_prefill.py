@@ -43,8 +43,8 @@ class BlockPrefill:
         needed_from = W - bs if self.fused_prefill else W - 1
         padded = not bool(self.real[:, :last].all())
         end = next_chunk_end(start, last, needed_from, bs, None if padded else self.prefill_chunk)
-        if self.prefill_budget is not None and (end - start) * B > self.prefill_budget:
-            return []
+        if not self.prefill_fits((end - start) * B):
+            return []  # waits for a step with room
         self.kv = self.cache.room(self.kv, end)  # (the first room has the prompt's slots already)
         self.prefilled = end
         key_mask = self.real[:, :end] if padded else None

@@ -80,9 +80,9 @@ class CausalContextDecoder(Decoder):
                 if self.prefix_cache is not None:  # the last prompt token always runs: its output is the first token
                     self.prefilled = self.num_cached_tokens = \
                         self.prefix_cache.load(self.prompts[0].tolist(), self.kv, self.prompt_width - 1)
-            start, chunk = self.prefilled, self.prefill_chunk
-            end = self.prompt_width if chunk is None else min(self.prompt_width, start + chunk)
-            if self.prefill_budget is not None and (end - start) * self.prompts.shape[0] > self.prefill_budget:
+            start = self.prefilled
+            end = self.next_chunk(start, self.prompt_width, self.prompts.shape[0])
+            if end is None:
                 return []  # waits for a step with room
             self.prefilled = end
             return [self.runner.causal_pass(self.prompts[:, start:end], self.positions[:, start:end], self.key_mask,

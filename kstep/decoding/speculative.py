@@ -129,9 +129,9 @@ class SpeculativeDecoder(Decoder):
         if self.is_finished:
             return []
         if self.phase == "prefill":  # the prompt into both caches, whole or in chunks; its last pass picks token 1
-            (B, P), start, chunk = self.prompts.shape, self.prefilled, self.prefill_chunk
-            end, has_draft = P if chunk is None else min(P, start + chunk), isinstance(self.drafter, ModelDrafter)
-            if self.prefill_budget is not None and (end - start) * B * (1 + has_draft) > self.prefill_budget:
+            (B, P), start, has_draft = self.prompts.shape, self.prefilled, isinstance(self.drafter, ModelDrafter)
+            end = self.next_chunk(start, P, B * (1 + has_draft))  # (a draft model's chunk counts too)
+            if end is None:
                 return []  # waits for a step with room
             self.prefilled = end
             target = asking([self.runner.causal_pass(self.prompts[:, start:end], self.positions[:, start:end],

@@ -93,9 +93,8 @@ class UniformDiffusionDecoder(Decoder):
         ids, positions = (self.to_encode, self.encode_positions) if self.is_encoding else (self.canvas, None)
         start = self._slot()
         if self.is_encoding and self.canvas_idx == 0:  # the prompt, whole or its next chunk (causal: any columns)
-            W, chunk = self.prompt_width, self.prefill_chunk
-            end = W if chunk is None else min(W, self.encoded + chunk)
-            if self.prefill_budget is not None and (end - self.encoded) * ids.shape[0] > self.prefill_budget:
+            end = self.next_chunk(self.encoded, self.prompt_width, ids.shape[0])
+            if end is None:
                 return []  # waits for a step with room
             start, ids, positions = self.encoded, ids[:, self.encoded:end], positions[:, self.encoded:end]
             self.encoded = end

@@ -31,14 +31,15 @@ WAIT = object()  # a request whose KV pages are not free yet: back to the head o
 class Engine:
     def __init__(self, llm: ServedModel, max_batch_size: int = 16, max_queue: int = 256, prefix_cache_bytes: int = 0,
                  limits: RequestLimits = RequestLimits(), max_num_batched_tokens: int | None = None,
-                 assigns_seeds: bool = True, detokenizes: bool = True):
+                 offline: bool = False):
         if max_num_batched_tokens is not None and max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be > 0")
         self.llm, self.limits = llm, limits
         # A server's engine seeds every request (a preempted one draws the same again) and keeps each
-        # row's text; LLM.generate's, one request alone, draws from torch's generator when unseeded
-        # as callers of a seeded torch expect, and reads the token ids itself.
-        self.assigns_seeds, self.detokenizes = assigns_seeds, detokenizes
+        # row's text. LLM.generate's (`offline`: one request alone, engine/offline.py) draws from torch's
+        # generator when unseeded, as callers of a seeded torch expect, and its caller reads the token
+        # ids and the per-pass timings the engine then records.
+        self.offline = offline
         self.max_num_batched_tokens = max_num_batched_tokens  # a step's tokens: prefills go in chunks under it
         self.scheduler = Scheduler(max_batch_size, max_queue)
         # AR and block-diffusion prompts share keys (causal across blocks); a canvas diffusion model's do not.
@@ -64,7 +65,7 @@ class Engine:
         they are (resolving compiles a structured output's grammar: not on the event loop)."""
         if not request.params.is_resolved:
             request.params = self.llm.resolve(request.params)
-        if request.params.seed is None and self.assigns_seeds:  # its own draws, so that a preempted request draws the same again
+        if request.params.seed is None and not self.offline:  # its own draws, so that a preempted request draws the same again
             request.params = replace(request.params, seed=random.getrandbits(63))
         self.scheduler.add(request)
 
@@ -96,7 +97,7 @@ class Engine:
         batch = [r for r in batch if r in self.scheduler.running]  # the preempted have left
         passes = [passes[id(r)] for r in batch]
         flat = [p for request_passes in passes for p in request_passes]
-        logits = iter(self._timed(batch, passes, flat))
+        logits = iter(self._timed(batch, passes, flat) if self.offline else execute_passes(flat))
         step_outputs = [r.decoder.update([next(logits) for _ in ps]) for r, ps in zip(batch, passes, strict=True)]
         for r in batch:
             if r.decoder.is_finished:  # before the scheduler drops the decoder
@@ -118,8 +119,8 @@ class Engine:
         return outputs, stats
 
     def _timed(self, batch: list[Request], passes: list[list], flat: list) -> list:
-        """The step's packed pass; each request's timings get its passes (by kind), their tokens and
-        their share of its time."""
+        """The step's packed pass, offline: each request's timings get its passes (by kind), their
+        tokens and their share of its time."""
         start = time.perf_counter()
         outputs = execute_passes(flat)
         for runner in {id(p.runner): p.runner for p in flat}.values():
@@ -216,14 +217,14 @@ class Engine:
             runners = [self.llm.runner] + ([self.llm.drafter] if hasattr(self.llm.drafter, "kv_pool") else [])
             pools = ", ".join(f"{r.kv_pool.capacity_tokens} slots ({r.kv_pool.nbytes / 2**20:.1f} MiB)"
                               for r in runners)
-            return self._refuse(request, f"this request's KV caches do not fit the model's KV pool even alone "
-                                         f"({pools}: --kv-cache-memory / --memory-utilization); ask for fewer "
-                                         "tokens or rows", 400, "kv_budget_exceeded")
+            message = (f"this request's KV caches do not fit the model's KV pool even alone ({pools}: "
+                       "--kv-cache-memory / --memory-utilization); ask for fewer tokens or rows")
+            return self._refuse(request, message, 400, "kv_budget_exceeded", KVBudgetExceeded(message))
         if not request.preemptions and not self._fits_step_budget(request):
             request.decoder, self._refused_at = None, self.scheduler.departed
             return WAIT
         self._refused_at = None
-        if not self.detokenizes:
+        if self.offline:
             return RequestOutput(request.request_id, [], 0, admitted=True)
         given_back = request.per_row(request.given_back) or [""] * request.num_rows
         stop_ids = [] if request.params.ignore_eos else self.llm.stop_ids  # every token is the completion's
@@ -273,7 +274,7 @@ class Engine:
         if request.error is not None:
             self.streams.pop(request.request_id, None)
             return RequestOutput(request.request_id, [], request.nfe, is_finished=True, error=request.error)
-        if not self.detokenizes:
+        if self.offline:
             return RequestOutput(request.request_id, [], request.nfe, request.is_finished, limit=request.limit)
         streams = self.streams[request.request_id]
         choices = []

@@ -7,20 +7,17 @@ from kstep.engine.engine import Engine
 from kstep.engine.request import Request
 from kstep.engine.served_model import ServedModel
 from kstep.params import knob_applies
-from kstep.runner.kv_pool import KVBudgetExceeded
 
 
 def run_alone(llm: ServedModel, request: Request) -> Request:
     """Step `request` to its end on an engine of its own (torch's generator when it is unseeded, no
     detokenising: the caller reads the ids); raises what failed it."""
-    engine = Engine(llm, max_batch_size=1, assigns_seeds=False, detokenizes=False)
+    engine = Engine(llm, max_batch_size=1, offline=True)
     engine.add_request(request)
     while engine.has_work():
         for out in engine.step()[0]:
-            if out.error is not None:
-                if request.exception is not None:
-                    raise request.exception
-                raise KVBudgetExceeded(out.error) if out.error_code == "kv_budget_exceeded" else RuntimeError(out.error)
+            if out.error is not None:  # a refusal's exception, or (a recomputation that differed) the message
+                raise request.exception or RuntimeError(out.error)
     return request
 
 
