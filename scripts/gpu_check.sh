@@ -138,7 +138,7 @@ device, dtype, scratch = os.environ["DEV"], os.environ["DTYPE"], os.environ["SCR
 failed = []
 for family, pages in (("qwen2", 12), ("sdar", 30)):  # a pool that holds a few of the requests' whole caches
     path = write_random_checkpoint(f"{scratch}/pool-{family}", family=family, seed=2)
-    probe = kstep.load(path, device=device, dtype=dtype)
+    probe = kstep.load(path, device=device, dtype=dtype, kv_cache_memory="16MiB")  # (its page size only)
     page = probe.runner.kv_pool.page_tokens
     budget = (pages + 1) * page * bytes_per_token(probe.model.kv_geometry(), probe.runner.dtype)
     del probe
