@@ -14,6 +14,7 @@ import torch
 import kstep
 from kstep.layers import cpu_decode, cpu_kernels
 from kstep.layers.attention import Segment
+from kstep.layers.paged_kv import PagedKV
 from kstep.layers.quantized import quantize_model
 from kstep.models.transformer import Transformer
 from kstep.random_checkpoint import random_config, write_random_checkpoint
@@ -43,20 +44,25 @@ def random_model(seed=0, n_kv_heads=2, qkv_bias=True, qk_norm=False, rotary_dim=
     return model
 
 
-def empty_cache(model):
-    cfg = model.cfg
-    return [(torch.zeros(1, cfg.n_kv_heads, SLOTS, cfg.head_dim), torch.zeros(1, cfg.n_kv_heads, SLOTS, cfg.head_dim))
-            for _ in range(cfg.n_layers)]
+def empty_cache(model, batch=1):
+    return model.allocate_kv(batch, SLOTS)
 
 
-def decode(model, prompt, steps, monkeypatch, in_c, tokens=None):
+def scattered_cache(model):
+    """One row of SLOTS slots on pages of 4 out of order: read through its table, not a view."""
+    kv = PagedKV(model.allocate_kv(1, SLOTS).storage, 4, [[5, 0, 3, 1, 4, 2]], SLOTS)
+    assert not kv.is_view
+    return kv
+
+
+def decode(model, prompt, steps, monkeypatch, in_c, tokens=None, cache=empty_cache):
     """Hidden states of `steps` one-token passes after a prompt pass (several rows: torch's path
     either way), each token the previous pass's greedy pick, or `tokens` where given (the other path's
     picks: two paths a last bit apart may break a near-tie apart); the cache they leave; the tokens."""
     with monkeypatch.context() as m:
         if not in_c:
             m.setattr(cpu_decode, "plan", lambda *args: None)
-        caches, states, picked = empty_cache(model), [], []
+        caches, states, picked = cache(model), [], []
         with torch.inference_mode():
             ids = torch.tensor([prompt])
             hidden = model.hidden_states(ids, torch.arange(len(prompt))[None], None, caches, 0)
@@ -91,10 +97,28 @@ def test_the_c_block_gives_the_torch_blocks_states_and_cache(variant, monkeypatc
     # (the order of its sums) can move a code by one: ~1e-4 here, against int8's own error of ~0.07
     tol = 1e-3 if VARIANTS[variant].get("int8") else 1e-4
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    for (gk, gv), (wk, wv) in zip(got_cache, want_cache):
+    for (gk, gv), (wk, wv) in ((c.read(i, 0, SLOTS) for c in (got_cache, want_cache))
+                               for i in range(model.cfg.n_layers)):
         torch.testing.assert_close(gk, wk, rtol=tol, atol=tol)
         torch.testing.assert_close(gv, wv, rtol=tol, atol=tol)
         assert not gk[:, :, 11:].any()  # nothing written past the last token's slot
+
+
+def test_the_c_block_walks_a_scattered_caches_table_as_it_reads_a_view(monkeypatch):
+    """Pages out of order: the C block reads them through the row's slot index, with the bits of a
+    cache on one run of pages (the same sums in the same order), and as torch's gathered path does."""
+    model = random_model()
+    calls = []
+    real_forward = cpu_decode.forward
+    monkeypatch.setattr(cpu_decode, "forward", lambda *a: calls.append(1) or real_forward(*a))
+    view, view_cache, tokens = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=True)
+    got, got_cache, _ = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=True, tokens=tokens, cache=scattered_cache)
+    assert len(calls) == 2 * 6 * model.cfg.n_layers  # both ran in C
+    torch.testing.assert_close(got, view, rtol=0, atol=0)
+    want, want_cache, _ = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=False, tokens=tokens, cache=scattered_cache)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for i in range(model.cfg.n_layers):
+        assert torch.equal(got_cache.read(i, 0, SLOTS)[0], view_cache.read(i, 0, SLOTS)[0])
 
 
 # How far the two paths' logits may differ. float32: the order of the sums in the attention and the
@@ -171,8 +195,11 @@ def test_passes_it_does_not_compute_go_to_torch():
         assert plan(cache=None) is None
         assert plan(cache_len=10) is None  # a DualCache suffix
         assert plan(cache_start=SLOTS) is None  # past the cache's end: torch's path raises
-        assert plan(caches=[(k.expand(2, -1, -1, -1).contiguous(), v.expand(2, -1, -1, -1).contiguous())
-                            for k, v in caches]) is None  # a cache of two rows
+        assert plan(caches=empty_cache(model, batch=2)) is None  # a cache of two rows
+        assert plan(caches=scattered_cache(model)) is not None  # read through its table
+        shared = scattered_cache(model)
+        shared.shared_until = 2
+        assert plan(caches=shared) is not None and plan(caches=shared, cache_start=1) is None  # a shared page
         assert plan(x=one.bfloat16()) is None
         assert plan(block=small.layers[0], x=torch.randn(1, 128), caches=empty_cache(small)) is None
         assert plan(block=moe.layers[0], caches=empty_cache(moe)) is None  # a sparse MoE feed-forward

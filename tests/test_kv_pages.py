@@ -1,13 +1,11 @@
 """The KV pool's page bookkeeping (issue 45, its first stage): pages granted lowest first and never
 the trash page, a request that does not fit changes nothing, shared pages free with their last
-holder, and a row's table maps logical slots to physical ones (the trash page's past its pages; a
-view where its pages are consecutive)."""
+holder, and a growing row takes the pages right after its own where it can (the tables themselves:
+test_kv_pool.py)."""
 import random
 
 import pytest
-import torch
-
-from kstep.runner.kv_pages import TRASH_PAGE, PagePool, PageTable, PoolFull
+from kstep.runner.kv_pages import TRASH_PAGE, PagePool, PoolFull
 
 
 def test_pages_are_granted_lowest_first_never_the_trash_page_and_freed_again():
@@ -55,13 +53,11 @@ def test_random_grants_and_releases_never_hand_out_a_held_page():
         assert pool.num_free + len(held) == 63 and sorted(set(held)) == sorted(held)
 
 
-def test_a_rows_table_maps_logical_slots_to_physical_ones():
-    table = PageTable(4, [7, 2, 3])
-    assert table.num_slots == 12
-    assert table.slots(2, 10).tolist() == [30, 31, 8, 9, 10, 11, 12, 13]
-    assert table.slots(11, 14).tolist() == [15, 0 * 4 + 0, 0 * 4 + 1]  # past its pages: the trash page
-    assert table.run(4, 12) == (8, 16)  # pages 2, 3: one view
-    assert table.run(2, 6) is None and table.run(10, 13) is None  # pages 7 then 2; past the pages
-    storage = torch.arange(40)
-    start, stop = table.run(5, 11)
-    assert torch.equal(storage[start:stop], storage[table.slots(5, 11)])
+def test_a_growing_row_takes_the_pages_after_its_last_when_they_are_free():
+    pool = PagePool(10, 4)
+    assert pool.grant_run(2) == 1 and pool.grant(1) == [3]
+    assert pool.grant_after(3, 2) == [4, 5]  # right after: the row stays one run
+    assert pool.grant_after(2, 2) == [6, 7]  # 3 is taken: the lowest free ones instead
+    with pytest.raises(PoolFull):
+        pool.grant_after(7, 3)
+    assert pool.num_free == 2 and pool.grant_after(9, 1) == [8]  # past the last page: the lowest

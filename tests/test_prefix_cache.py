@@ -1,6 +1,7 @@
 """Prefix caching: shared prompt prefixes are served from cached keys/values, the output is the
 same as without the cache, and the cache stays within its budget, evicting leaves LRU."""
 import httpx
+import torch
 
 import kstep
 from kstep.bench.server_process import running_server
@@ -40,20 +41,23 @@ def test_shared_prefix_is_reused_and_output_unchanged(llama_path):
     assert again == plain[:1]  # a full hit still recomputes the last token for its logits
 
 
-def test_budget_evicts_least_recently_used_leaves(llama_path):
+def test_budget_evicts_least_recently_used_leaves_and_blocks_are_pages_mapped_not_copied(llama_path):
     llm = kstep.load(llama_path)
     kv = llm.runner.allocate_kv(1, 64)
-    for layer in kv:
-        layer[0].normal_()
-    cache = PrefixCache(budget_bytes=10**9, block_size=4)
-    cache.store(list(range(12)), kv)  # 3 blocks in a chain
-    block_bytes = cache.nbytes // 3
-    cache.budget = 2 * block_bytes
-    cache.store(list(range(100, 104)), kv)  # a new root block: over budget -> the chain's leaf goes
+    for layer in range(kv.num_layers):
+        k, v = kv.read(layer, 0, 64)
+        kv.write(layer, torch.randn_like(k), torch.randn_like(v), 0)
+    pool = llm.runner.kv_pool
+    cache = PrefixCache(budget_bytes=10**9, block_size=16, pool=pool)
+    cache.store(list(range(48)), kv)  # 3 blocks in a chain: kv's first 3 pages, one more holder each
+    assert [pool.pages.holders(p) for p in kv.tables[0]] == [2, 2, 2, 1] and cache.only_held_pages() == 0
+    cache.budget = 2 * pool.page_bytes
+    cache.store(list(range(100, 116)), llm.runner.allocate_kv(1, 16))  # a new root block: over budget -> a leaf goes
     assert cache.nbytes <= cache.budget and len(cache.blocks) == 2
     target = llm.runner.allocate_kv(1, 64)
-    assert cache.load(list(range(12)), target, 12) == 4  # the chain's first block survived (it was a parent)
-    assert (target[0][0][:, :, :4] == kv[0][0][:, :, :4]).all()
+    assert cache.load(list(range(48)), target, 48) == 16  # the chain's first block survived (it was a parent)
+    assert target.tables[0][0] == kv.tables[0][0] and target.shared_until == 16  # its page, mapped
+    assert torch.equal(target.read(1, 0, 16)[0], kv.read(1, 0, 16)[0])
 
 
 def test_server_reports_prefix_hits(llama_path):
@@ -83,6 +87,9 @@ def test_cached_blocks_are_pages_of_the_pool_that_requests_take_back(llama_path)
     cache = engine.prefix_cache
     assert len(cache.blocks) == 6 and pool.pages.capacity - pool.pages.num_free == 6  # the blocks' pages, held
     long_prompt = [7 + i % 50 for i in range(150)]  # 150 + 12 slots: 11 pages, only 8 of them free
+    header_blocks = set(cache.blocks)
     [got] = run_all(engine, [long_prompt])
-    assert len(cache.blocks) < 6  # evicted to make room, the request admitted at once
+    kept = len(header_blocks & set(cache.blocks))
+    assert kept < 6  # evicted to make room, the request admitted at once
+    assert len(cache.blocks) - kept == 150 // 16  # and its own prompt's blocks kept: its pages, held on
     assert got == run_all(Engine(probe), [long_prompt])[0]

@@ -1,7 +1,7 @@
 """Tensor and expert parallel on the CPU: 2 ranks over gloo (spawned processes, one thread each).
 TP=2 gives TP=1's tokens for every family, one pass costs the collectives the scheme says, each rank
-holds about half the weights (and /metrics each rank's expert load), the prefix cache is kept on
-every rank, sizes that do not divide are refused naming the numbers, and a lost rank fails at once
+holds about half the weights (and /metrics each rank's expert load), a cached prefix's pages are
+read on every rank, sizes that do not divide are refused naming the numbers, and a lost rank fails at once
 (the server answers 503 for that model and serves its others; it exits once none is left), never
 hangs."""
 import asyncio
@@ -119,9 +119,10 @@ def test_speculative_decoding_and_one_pass_collectives(checkpoints):
 
 
 @pytest.mark.parametrize("family", ["llama", "sdar"])
-def test_the_prefix_cache_is_kept_on_every_rank(models, family):
-    """A request that copies a cached prefix on rank 0 copies it on every rank: TP=2 serves the
-    requests of TP=1 token for token, hitting the cache."""
+def test_a_cached_prefix_is_read_on_every_rank(models, family):
+    """A request that maps a cached prefix's pages on rank 0 reads the same pages of every rank's
+    storage (its tables go with its passes): TP=2 serves the requests of TP=1 token for token,
+    hitting the cache."""
     shared = list(range(20, 60))  # 40 tokens: whole cache blocks (16; SDAR: of its blocks of 4)
 
     def serve(llm) -> tuple[list, int]:
@@ -178,7 +179,7 @@ def test_an_idle_group_lives_and_the_other_ranks_free_what_rank_0_frees(checkpoi
         first = two.generate(PROMPTS, max_tokens=8)
         time.sleep(5)
         assert [r.token_ids for r in two.generate(PROMPTS, max_tokens=8)] == [r.token_ids for r in first]
-        nothing = {"kv_caches": [], "prefix_blocks": 0, "soft_embeds": []}
+        nothing = {"kv_caches": [], "soft_embeds": []}
         assert two.runner.report() == [nothing]  # both requests' caches gone
         kept = two.runner.allocate_kv(1, 16)
         two.runner.logits(two.runner.causal_pass(torch.tensor([[5, 6]]), torch.arange(2)[None], None, 0, kept))

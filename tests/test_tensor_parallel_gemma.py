@@ -65,11 +65,11 @@ def test_one_pass_collectives_and_the_soft_embeddings_kept_are_freed(gemma):
     # a self-conditioned decoder pass: the above, sc_mlp's all-reduce and the head's gather; then the next
     # soft embedding: a message, the scatter of the probabilities by vocabulary slice, one all-reduce
     assert step() == {"message": 2, "all_reduce": 3 * layers + 1 + 1 + 1, "gather": 1, "scatter": 1}
-    assert runner.report() == [{"kv_caches": [decoder.kv.kv_id], "prefix_blocks": 0,
+    assert runner.report() == [{"kv_caches": [decoder.kv.kv_id],
                                 "soft_embeds": [decoder.soft.soft_id]}]  # the earlier one already dropped
     del decoder
     gc.collect()
-    assert runner.report() == [{"kv_caches": [], "prefix_blocks": 0, "soft_embeds": []}]
+    assert runner.report() == [{"kv_caches": [], "soft_embeds": []}]
 
 
 def test_sizes_that_do_not_divide_are_refused_naming_the_numbers():

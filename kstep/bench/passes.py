@@ -89,15 +89,28 @@ def pass_makers(runner: ModelRunner, context: int, kv) -> dict:
     return {"ar": {1: ar}, "block": {t: block(t) for t in BLOCKS}, "window": {t: window(t) for t in BLOCKS}}
 
 
+def scattered_cache(runner: ModelRunner, length: int):
+    """A one-row cache of `length` slots on every other page of the pool (page tables that are no
+    run: attention gathers what it reads, kstep/layers/paged_kv.py), as a fragmented pool gives."""
+    pool = runner.kv_pool or runner.make_kv_pool()
+    singles = [runner.allocate_kv(1, pool.page_tokens) for _ in range(pool.pages.num_free)]
+    del singles[::2]  # the rest stay held as long as the cache lives
+    kv = runner.allocate_kv(1, length)
+    assert not kv.is_view, "the pool gave a run"
+    kv.fillers = singles
+    return kv
+
+
 @torch.inference_mode()
 def measure_shape(family: str, shape: str, dtype: torch.dtype, context: int, repeats: int, measured,
-                  device: str = "cpu", progress=print) -> list[dict]:
+                  device: str = "cpu", progress=print, pages: str = "run") -> list[dict]:
     """Every pass kind of one shape on `device`; `measured`: that device's calibration in this run
-    (cost_model.calibrate), every row's floor."""
+    (cost_model.calibrate), every row's floor. `pages`: the cache's pages one run (read as a view) or
+    scattered (gathered)."""
     model = random_model(family, shape, dtype, device)
     runner = ModelRunner(model)
     cfg = model.cfg
-    kv = runner.allocate_kv(1, context + 64)
+    kv = scattered_cache(runner, context + 64) if pages == "scattered" else runner.allocate_kv(1, context + 64)
     rows, ar_seconds = [], None
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     planner = PassCosts(experts=cfg.moe.expected_experts if cfg.moe else None)
@@ -113,6 +126,7 @@ def measure_shape(family: str, shape: str, dtype: torch.dtype, context: int, rep
             bound = "memory" if cost.bytes / (measured.bandwidth_gb_s * 1e9) >= cost.flops / (measured.matmul_tflops * 1e12) \
                 else "compute"
             row = {"family": family, "shape": shape, "params": cfg.num_params, "dtype": str(dtype).removeprefix("torch."),
+                   "pages": pages,
                    "kind": kind, "tokens": t, "context": context, "ms": seconds * 1e3,
                    "over_ar": seconds / ar_seconds, "floor_ms": floor * 1e3, "of_floor": floor / seconds,
                    "bound": bound, "bytes": cost.bytes, "flops": cost.flops,
@@ -125,7 +139,8 @@ def measure_shape(family: str, shape: str, dtype: torch.dtype, context: int, rep
 
 
 def format_row(r: dict) -> str:
-    return (f"| {r['family']} {r['shape']} ({r['params'] / 1e6:.0f}M) | {r['dtype']} | {r['kind']} | {r['tokens']} | "
+    pages = " (pages scattered)" if r.get("pages") == "scattered" else ""
+    return (f"| {r['family']} {r['shape']} ({r['params'] / 1e6:.0f}M){pages} | {r['dtype']} | {r['kind']} | {r['tokens']} | "
             f"{r['ms']:.2f} | {r['over_ar']:.2f}x | {r['floor_ms']:.2f} ({r['bound']}) | {r['of_floor']:.0%} | "
             f"{r['planned_ms']:.2f} ({r['planned_error']:+.0%}) |")
 
@@ -137,7 +152,7 @@ def format_table(rows: list[dict]) -> str:
              "| to double AR |", "|---|---|---|---|"]
     for family, shape, dtype in dict.fromkeys((r["family"], r["shape"], r["dtype"]) for r in rows):
         blocks = [r for r in rows if (r["family"], r["shape"], r["dtype"]) == (family, shape, dtype)
-                  and r["kind"] == "block"]
+                  and r["kind"] == "block" and r.get("pages", "run") == "run"]
         tie = " / ".join(f"{r['over_ar']:.2f}" for r in blocks)
         double = " / ".join(f"{2 * r['over_ar']:.2f}" for r in blocks)
         lines.append(f"| {family} {shape} | {dtype} | {tie} | {double} |")

@@ -91,6 +91,8 @@ def add_passes(kinds) -> None:
     passes.add_argument("--dtypes", default="float32,bfloat16")
     passes.add_argument("--context", type=int, default=512, help="cached positions the passes attend to")
     passes.add_argument("--repeats", type=int, default=3)
+    passes.add_argument("--pages", default="run", help="the cache's pages: run (a view), scattered (read through "
+                        "page tables, gathered), or both: run,scattered")
     passes.add_argument("--threads", type=int, default=None)
     passes.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the passes and the calibration run")
     passes.add_argument("--out", default="out/bench")
@@ -111,14 +113,18 @@ def run_passes(args: argparse.Namespace) -> int:
             raise ValueError(f"--shapes: {':'.join(item)!r} is not FAMILY:SHAPE (shapes: "
                              f"{', '.join([*BUNDLED_SIZES, *SHAPES])})")
     check_positive(args, "repeats", "context")
+    layouts = args.pages.split(",")
+    if not layouts or set(layouts) - {"run", "scattered"}:
+        raise ValueError(f"--pages: {args.pages!r} is not run, scattered or run,scattered")
     set_threads(args.threads)
     rows = []
     for dtype in [resolve_dtype(d) for d in args.dtypes.split(",")]:
         measured = calibrate(args.device, dtype, seconds=2.0)  # once per dtype, in this run: every row's floor
         _progress(f"{dtype}: {measured.bandwidth_gb_s:.1f} GB/s, {measured.matmul_tflops * 1e3:.0f} GFLOP/s matmul")
         for family, shape in shapes:
-            rows += measure_shape(family, shape, dtype, args.context, args.repeats, measured, args.device,
-                                  progress=_progress)
+            for pages in layouts:
+                rows += measure_shape(family, shape, dtype, args.context, args.repeats, measured, args.device,
+                                      progress=_progress, pages=pages)
     print(format_table(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

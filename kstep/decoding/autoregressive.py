@@ -47,7 +47,7 @@ class AutoregressiveDecoder(Decoder):
         N = params.max_tokens
         # The cache grows as the completion does (kv_growth.py): the prompt and a first page now, all of it
         # only if it fits the pool at all (a request that never could is refused now).
-        self.cache = GrowingCache(runner, B, P, P + N)
+        self.cache = GrowingCache(runner, B, P + N)
         self.kv = self.cache.room(None, P + min(N, FIRST_GROWTH))
         if key_mask is not None:
             positions = positions_from_padding(key_mask)

@@ -72,7 +72,7 @@ class BlockCacheDecoder(BlockDiffusionDecoder):
         sub, lo = self.params.sub_block_length, self.lo
         column = torch.arange(index.shape[1], device=index.device)
         inside = (column >= lo[:, None]) & (column < (lo + sub)[:, None])  # (B, width)
-        spare = self.kv[0][0].shape[2] - 1
+        spare = self.kv.length - 1
         return torch.where(keep[:, None] & ~inside, spare, index)
 
     def update(self, outputs: list[PassOutput]) -> StepOutput:

@@ -68,7 +68,7 @@ class BlockDiffusionDecoder(Decoder, BlockExactStep, BlockPrefill):
         self.real = torch.cat([key_mask if key_mask is not None else torch.ones_like(prompts, dtype=torch.bool),
                                torch.ones(B, slots - W, dtype=torch.bool, device=device)], 1)
         # the cache grows block by block (kv_growth.py): the prompt and a first pass's blocks now
-        self.cache = GrowingCache(runner, B, W, slots + self.spare_slots)
+        self.cache = GrowingCache(runner, B, slots + self.spare_slots)
         self.kv = self.cache.room(None, W + (2 if self.fused else 1) * bs + self.spare_slots)
         self.block_starts = self.prompt_lengths // bs * bs  # (B,) position of each row's current block
         self.phase = torch.full((B,), DENOISE, dtype=torch.long, device=device)

@@ -1,20 +1,19 @@
-"""A decoder's KV cache that grows with its output, in whole pages of the model's pool
+"""A decoder's KV cache that grows with its output, page by page of the model's pool
 (runner/kv_pool.py): the AR decoder's and the block-diffusion decoders'.
 
-It starts with what the prompt and a first stretch of output need; when a pass needs more, it moves
-into a cache whose part past the prompt is twice what it had (whole pages, never past the most the
-request can use), so a request that stops early never held its max_tokens' slots and a long one
-moves O(log n) times. A request whose whole cache could never fit the pool is refused when it is
-made (KVBudgetExceeded); a cache that cannot grow now raises PoolFull with nothing changed (the
-engine preempts a request and asks again)."""
+It starts with what the prompt and a first stretch of output need; when a pass needs more slots,
+its rows take the pages those need (no copy: the pages join the rows' page tables), so a request
+that stops early never held its max_tokens' slots. A request whose whole cache could never fit the
+pool is refused when it is made (KVBudgetExceeded); a cache that cannot grow now raises PoolFull
+with nothing changed (the engine preempts a request and asks again)."""
 from kstep.layers.attention import KVCache
 from kstep.runner.model_runner import ModelRunner
 
 
 class GrowingCache:
-    def __init__(self, runner: ModelRunner, batch: int, fixed: int, most: int):
-        """`batch` rows; `fixed` slots the prompt holds (never doubled); `most` the slots it may ever need."""
-        self.runner, self.batch, self.fixed, self.most = runner, batch, fixed, most
+    def __init__(self, runner: ModelRunner, batch: int, most: int):
+        """`batch` rows; `most` the slots it may ever need."""
+        self.runner, self.batch, self.most = runner, batch, most
         self.pool = runner.check_kv_fits(batch, most)
 
     def whole_pages(self, slots: int) -> int:
@@ -22,10 +21,10 @@ class GrowingCache:
         return min(self.most, self.pool.pages.pages_for(slots) * self.pool.page_tokens)
 
     def room(self, kv: KVCache | None, slots: int) -> KVCache:
-        """A cache of at least `slots` slots: `kv` itself when it has them, else moved into a larger one
-        (or a new one when it has none: after an eviction)."""
+        """A cache of at least `slots` slots: `kv`, grown when it has fewer (a new one when it has
+        none: after an eviction)."""
         if kv is None:
             return self.runner.allocate_kv(self.batch, self.whole_pages(slots))
         if kv.length >= slots:
             return kv
-        return self.runner.grow_kv(kv, self.whole_pages(max(slots, self.fixed + 2 * (kv.length - self.fixed))))
+        return self.runner.grow_kv(kv, self.whole_pages(slots))

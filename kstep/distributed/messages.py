@@ -1,8 +1,8 @@
 """What rank 0 sends the other ranks of a tensor-parallel group (runner.py): one message per
 step, pickled between kstep's own processes (a pipe) or to its Ray actors (an actor call).
 
-Every message carries what happened on rank 0 since the last one: the prefix-cache operations and
-KV copies to replay (`replayed`, in order) and the ids of the KV caches and soft embeddings rank
+Every message carries what happened on rank 0 since the last one: the KV copies to replay
+(`replayed`, in order) and the ids of the KV caches and soft embeddings rank
 0 dropped (`freed`); then its own work: a pass to run (`Execute`), a soft embedding to make
 (`SoftEmbedding`), a reply to give (`Report`), or the loop to leave (`Stop`). No torch work here:
 the tensors a pass description holds are on the CPU (each rank has its own device)."""
@@ -15,37 +15,16 @@ from kstep.runner.top_tokens import TopRequest
 
 @dataclass(frozen=True, slots=True)
 class KVHandle:
-    """Rank 0's KV cache as the other ranks know theirs: its id, its size, and where its run of pages
-    starts in rank 0's pool (of `pool_pages` pages of `page_tokens`): each rank places its own at the
-    same pages of a pool of the same shape, so rank 0's page books hold for all (runner/kv_pool.py)."""
+    """Rank 0's KV cache as the other ranks know theirs: its id, its length and its rows' page tables
+    in rank 0's pool (of `pool_pages` pages of `page_tokens`), as they are when the handle is made
+    (a cache grows, and maps a prefix cache's pages, between passes): each rank reads and writes its
+    own at the same pages of a pool of the same shape, so rank 0's page books hold for all
+    (runner/kv_pool.py)."""
     kv_id: int
-    batch: int
     length: int
-    first_page: int
+    tables: tuple[tuple[int, ...], ...]
     pool_pages: int
     page_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixLoad:
-    """Rank 0's prefix cache `cache_id` (made at budget / block_size when first seen) loaded `tokens` into `kv`."""
-    cache_id: int
-    budget: int
-    block_size: int
-    tokens: list[int]
-    kv: KVHandle
-    max_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixStore:
-    """Rank 0's prefix cache `cache_id` stored `tokens` from row `row` of `kv`."""
-    cache_id: int
-    budget: int
-    block_size: int
-    tokens: list[int]
-    kv: KVHandle
-    row: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +36,7 @@ class CopyKV:
     dst_rows: list[int]
 
 
-ReplayOp = PrefixLoad | PrefixStore | CopyKV
+ReplayOp = CopyKV
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,4 +100,3 @@ class RankReport:
     """What a rank other than 0 holds: the check that it mirrors rank 0."""
     kv_caches: list[int]
     soft_embeds: list[int]
-    prefix_blocks: int

@@ -14,9 +14,8 @@ DiffusionGemma's self-conditioning signal is kept the same way: rank 0's `soft_e
 rank its vocabulary slice of the probabilities (one scatter), every rank multiplies it by its
 embedding rows and one all-reduce sums them (vLLM PR #46177: the embedding is never gathered), so
 every rank holds the (b, L, D) result; the next pass names it by the id rank 0's tensor carries.
-A prefix cache is mirrored the same way: every load and store rank 0's makes is replayed by each
-rank on its own cache and KV before the next pass, so all ranks' caches hold the same blocks (the
-same operations in the same order: the same LRU choices).
+A prefix cache needs nothing of the other ranks: its blocks are pages rank 0 granted and holds, and
+a request that maps them sends its page tables with its next pass (runner/prefix_cache.py).
 
 A lost rank is found by the pass it fails (a collective's sockets close) or, while idle, by
 `check_ranks` (a server's watcher polls it): either way the group is broken for good."""
@@ -31,12 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from kstep.distributed.group import TIMEOUT, TPGroup
-from kstep.distributed.messages import (PASS_FIELDS, CopyKV, Execute, KVHandle, Message, PassDescription, PrefixLoad,
-                                        PrefixStore, ReplayOp, Report, SoftEmbedding, Stop)
+from kstep.distributed.messages import (PASS_FIELDS, CopyKV, Execute, KVHandle, Message, PassDescription, ReplayOp,
+                                        Report, SoftEmbedding, Stop)
 from kstep.layers.attention import KVCache
-from kstep.runner.kv_pool import PagedKV
+from kstep.layers.paged_kv import PagedKV
 from kstep.runner.model_runner import ForwardPass, ModelRunner
-from kstep.runner.prefix_cache import PrefixCache
 
 
 class GroupLost(RuntimeError):
@@ -51,8 +49,8 @@ def _cpu(value):
 
 
 def _handle(kv: PagedKV | None) -> KVHandle | None:
-    """Rank 0's cache (its heads' views of its pool, per layer) as the other ranks know it."""
-    return None if kv is None else KVHandle(kv.kv_id, kv.batch, kv.length, kv.first_page, kv.pool_pages,
+    """Rank 0's cache (its heads' share, per layer, of its pool) as the other ranks know it."""
+    return None if kv is None else KVHandle(kv.kv_id, kv.length, tuple(map(tuple, kv.tables)), kv.pool_pages,
                                             kv.page_tokens)
 
 
@@ -62,23 +60,6 @@ def describe(p: ForwardPass) -> PassDescription:
     soft = p.soft_embeds
     return PassDescription(kv=_handle(p.kv), soft_embeds=soft.soft_id if hasattr(soft, "soft_id") else _cpu(soft),
                            **{name: _cpu(getattr(p, name)) for name in PASS_FIELDS})
-
-
-class MirroredPrefixCache(PrefixCache):
-    """Rank 0's prefix cache: each load and store is queued for the other ranks (module note)."""
-
-    def __init__(self, runner: "TensorParallelRunner", budget_bytes: int, block_size: int):
-        super().__init__(budget_bytes, block_size)
-        self.runner, self.cache_id = runner, next(runner._ids)
-
-    def load(self, tokens: list[int], kv: KVCache, max_tokens: int) -> int:
-        self.runner.replayed.append(PrefixLoad(self.cache_id, self.budget, self.block_size, tokens, _handle(kv),
-                                               max_tokens))
-        return super().load(tokens, kv, max_tokens)
-
-    def store(self, tokens: list[int], kv: KVCache, row: int = 0) -> None:
-        self.runner.replayed.append(PrefixStore(self.cache_id, self.budget, self.block_size, tokens, _handle(kv), row))
-        super().store(tokens, kv, row)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -93,7 +74,7 @@ class TensorParallelRunner(ModelRunner):
         self.group, self.channels, self.release = group, channels, release
         self._ids = itertools.count()
         self._freed: deque[int] = deque()  # one deque for good: finalizers of every cache and soft embedding append
-        self.replayed: list[ReplayOp] = []  # prefix-cache operations and KV copies since the last message
+        self.replayed: list[ReplayOp] = []  # KV copies since the last message
         self.is_closed = self.is_broken = False
         self.lost: str | None = None  # why the group cannot go on, once it cannot
 
@@ -102,9 +83,6 @@ class TensorParallelRunner(ModelRunner):
         kv.kv_id, kv.pool_pages, kv.page_tokens = next(self._ids), self.kv_pool.pages.num_pages, self.kv_pool.page_tokens
         weakref.finalize(kv, self._freed.append, kv.kv_id)  # deque.append: safe from any thread's collection
         return kv
-
-    def make_prefix_cache(self, budget_bytes: int, block_size: int) -> PrefixCache:
-        return MirroredPrefixCache(self, budget_bytes, block_size)
 
     def copy_kv(self, src: KVCache, dst: KVCache, src_rows: list[int], dst_rows: list[int]) -> None:
         self.replayed.append(CopyKV(_handle(src), _handle(dst), src_rows, dst_rows))
@@ -193,7 +171,7 @@ class TensorParallelRunner(ModelRunner):
         return [{"name": c.name, "pid": c.pid} for c in self.channels]
 
     def report(self) -> list[dict]:
-        """What each other rank holds now (its KV caches, prefix-cache blocks and soft embeddings),
+        """What each other rank holds now (its KV caches and soft embeddings),
         after applying what rank 0 has sent: a check that they mirror rank 0."""
         self._send(Report(**self._taken()))
         return [asdict(channel.recv(TIMEOUT.total_seconds())) for channel in self.channels]

@@ -15,18 +15,10 @@ from torch import nn
 from kstep.layers.labels import labelled
 from kstep.layers.linear import inference_layout, linear
 from kstep.layers.norm import RMSNorm
+from kstep.layers.paged_kv import PagedKV
 from kstep.layers.rotary import apply_rotary
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values, each (B, Hkv, S_max, hd)
-
-
-def allocate_layer_kv(batch: int, length: int, kv_heads: list[int], head_dims: list[int],
-                      device: torch.device, dtype: torch.dtype) -> KVCache:
-    """One sequence's KV cache for its whole life: keys and values per layer, each (B, Hkv_l, S, hd_l).
-    Zeroed, not empty: a masked-out slot that was never written still enters attention's matmul with
-    weight 0, and 0 x NaN from uninitialised memory would be NaN."""
-    return [(torch.zeros(batch, h, length, d, device=device, dtype=dtype),
-             torch.zeros(batch, h, length, d, device=device, dtype=dtype)) for h, d in zip(kv_heads, head_dims)]
+KVCache = PagedKV  # a cache in the model's KV pool (runner/kv_pool.py), read and written through page tables
 
 
 @dataclass(slots=True)
@@ -125,17 +117,12 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, seg: Segment, layer_idx: int, is_causal: bool) -> torch.Tensor:
         q, k, v = self._heads(q, seg), self._heads(k, seg), self._heads(v, seg)  # (b, H|Hkv, T, hd)
         if seg.cache is not None:
-            k_cache, v_cache = seg.cache[layer_idx]
             end = seg.cache_start + seg.length
-            if seg.cache_slots is not None:  # per-row slots: index_put through a (b, S, h, hd) view
-                rows = torch.arange(seg.batch, device=k.device)[:, None]
-                k_cache.transpose(1, 2)[rows, seg.cache_slots] = k.transpose(1, 2)
-                v_cache.transpose(1, 2)[rows, seg.cache_slots] = v.transpose(1, 2)
+            if seg.cache_slots is not None:
+                seg.cache.write_at(layer_idx, k, v, seg.cache_slots)
             else:
-                k_cache[:, :, seg.cache_start:end] = k
-                v_cache[:, :, seg.cache_start:end] = v
-            length = end if seg.cache_len is None else seg.cache_len
-            k, v = k_cache[:, :, :length], v_cache[:, :, :length]  # views: no copy
+                seg.cache.write(layer_idx, k, v, seg.cache_start)
+            k, v = seg.cache.read(layer_idx, 0, end if seg.cache_len is None else seg.cache_len)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=seg.mask, is_causal=is_causal and seg.mask is None and seg.length == k.shape[2],
             enable_gqa=self.n_heads != self.n_kv_heads)  # (b, H, T, hd)

@@ -73,12 +73,13 @@ static inline float dot(const float *a, const float *b, long n) {
 }
 
 // out (hd) = softmax(q . k_j * scale over the keys j < length) . v_j, for one query head against its
-// key/value head (k, v: that head's (S_max, hd) rows in the cache).
-static void attend_head(const float *q, const float *k, const float *v, long length, long hd, float scale,
-                        float *scores, float *out) {
+// key/value head (k, v: that head's (S_max, hd) rows in the cache; key j in row slots[j], or row j
+// when slots is NULL).
+static void attend_head(const float *q, const float *k, const float *v, const long *slots, long length, long hd,
+                        float scale, float *scores, float *out) {
     float top = -INFINITY;
     for (long j = 0; j < length; j++) {
-        scores[j] = dot(q, k + j * hd, hd) * scale;
+        scores[j] = dot(q, k + (slots ? slots[j] : j) * hd, hd) * scale;
         if (scores[j] > top) top = scores[j];
     }
     float total = 0.0f;
@@ -88,7 +89,7 @@ static void attend_head(const float *q, const float *k, const float *v, long len
     }
     for (long i = 0; i < hd; i++) out[i] = 0.0f;
     for (long j = 0; j < length; j++) {
-        const float *vj = v + j * hd;
+        const float *vj = v + (slots ? slots[j] : j) * hd;
         float p = scores[j] / total;
         for (long i = 0; i < hd; i++) out[i] += p * vj[i];
     }
@@ -96,9 +97,12 @@ static void attend_head(const float *q, const float *k, const float *v, long len
 
 // x (dim) -> y (dim) through the block for the token at cache slot `slot`, attending to slots
 // [0, length) of this layer's cache (k_cache, v_cache: (kv_heads, S_max, hd), contiguous); its keys and
-// values are written there first. cos, sin: the token's rotary rows (rotary_width).
+// values are written there first. With `slots` (a page table's physical slot of each logical one, at
+// least `length` of them), logical slot j is row slots[j] of the cache: the pages need not be in a
+// run. cos, sin: the token's rotary rows (rotary_width).
 void kstep_decode_layer(const kstep_layer *L, const float *x, float *y, const float *cos_, const float *sin_,
-                        float *k_cache, float *v_cache, long cache_slots, long slot, long length, int threads) {
+                        float *k_cache, float *v_cache, long cache_slots, const long *slots, long slot, long length,
+                        int threads) {
     long d = L->dim, H = L->heads, Hkv = L->kv_heads, hd = L->head_dim, ffn = L->ffn;
     long qkv_width = (H + 2 * Hkv) * hd;
     float *buf = malloc(sizeof(float) * (2 * d + qkv_width + H * hd + 2 * ffn + d + H * length));
@@ -113,17 +117,18 @@ void kstep_decode_layer(const kstep_layer *L, const float *x, float *y, const fl
         kstep_rms_norm_f32(k, NULL, NULL, L->k_norm, k, Hkv, hd, L->qk_norm_eps);
     }
     for (long i = 0; i < H + Hkv; i++) rotate(qkv + i * hd, cos_, sin_, L->rotary_width);  // queries, then keys
+    long row = slots ? slots[slot] : slot;
     for (long g = 0; g < Hkv; g++) {
-        memcpy(k_cache + (g * cache_slots + slot) * hd, k + g * hd, sizeof(float) * hd);
-        memcpy(v_cache + (g * cache_slots + slot) * hd, v + g * hd, sizeof(float) * hd);
+        memcpy(k_cache + (g * cache_slots + row) * hd, k + g * hd, sizeof(float) * hd);
+        memcpy(v_cache + (g * cache_slots + row) * hd, v + g * hd, sizeof(float) * hd);
     }
     float scale = 1.0f / sqrtf((float)hd);
     long group = H / Hkv;
 #pragma omp parallel for num_threads(threads) schedule(static) if (H * length * hd > 65536)
     for (long i = 0; i < H; i++) {
         long g = i / group;
-        attend_head(q + i * hd, k_cache + g * cache_slots * hd, v_cache + g * cache_slots * hd, length, hd, scale,
-                    scores + i * length, att + i * hd);
+        attend_head(q + i * hd, k_cache + g * cache_slots * hd, v_cache + g * cache_slots * hd, slots, length, hd,
+                    scale, scores + i * length, att + i * hd);
     }
     const kstep_proj *o_proj = &L->proj[L->qkv_parts];
     project(o_proj, 1, att, H * hd, o, threads);

@@ -174,9 +174,9 @@ def _layer(block: nn.Module) -> tuple | None:
 
 
 def _slots_in_a_row(cache: torch.Tensor) -> bool:
-    """(1, Hkv, S, hd) with each head's S slots contiguous and heads a whole number of slots apart."""
-    hd = cache.shape[3]
-    return cache.stride(3) == 1 and cache.stride(2) == hd and cache.stride(1) % hd == 0
+    """(Hkv, S, hd) with each head's S slots contiguous and heads a whole number of slots apart."""
+    hd = cache.shape[2]
+    return cache.stride(2) == 1 and cache.stride(1) == hd and cache.stride(0) % hd == 0
 
 
 def plan(block: nn.Module, x: torch.Tensor, segments: list[Segment], layer_idx: int,
@@ -192,14 +192,19 @@ def plan(block: nn.Module, x: torch.Tensor, segments: list[Segment], layer_idx: 
         return None
     if type(block.attn) is not Attention or type(block.mlp) is not SwiGLU:  # e.g. a sparse MoE layer
         return None
-    k_cache, v_cache = seg.cache[layer_idx]
-    # the C writes at slot cache_start of one sequence's (1, Hkv, S, hd) cache without bounds checks:
-    # anything else (a slot past the end, a cache of several rows) gets the torch path and its errors.
-    # Each head's slots lie one after another (a view of the KV pool's storage: heads further apart).
+    kv = seg.cache
+    # the C writes at slot cache_start of one sequence's cache without bounds checks: anything else (a
+    # slot past the end, a shared page, a cache of several rows) gets the torch path and its errors.
+    if kv.batch != 1 or not kv.shared_until <= seg.cache_start < kv.length:
+        return None
+    views = kv.layer(layer_idx)
+    # A view (1, Hkv, S, hd) whose heads' slots lie one after another (heads further apart); else the
+    # storage (Hkv, slots, hd) itself, walked through the row's physical slot index.
+    k_cache, v_cache = (views[0][0], views[1][0]) if views is not None else kv.storage[layer_idx]
     if not (k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32 and _slots_in_a_row(k_cache)
             and k_cache.stride() == v_cache.stride() and k_cache.device.type == "cpu" and k_cache.shape == v_cache.shape
-            and k_cache.shape[0] == 1 and 0 <= seg.cache_start < k_cache.shape[2]
-            and k_cache.shape[1] == block.attn.n_kv_heads and k_cache.shape[3] == block.attn.head_dim):
+            and k_cache.shape[0] == block.attn.n_kv_heads and k_cache.shape[2] == block.attn.head_dim
+            and (views is not None or (kv.slots.dtype == torch.int64 and kv.slots.is_contiguous()))):
         return None
     described = _layer(block)
     return None if described is None else described[0]
@@ -211,13 +216,15 @@ def forward(layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     seg.cache_start, writing its keys and values there and attending to the slots before it;
     cos, sin (1, rotary width): the token's rotary rows."""
     layer.rotary_width = cos.shape[-1]
-    k_cache, v_cache = seg.cache[layer_idx]
+    kv = seg.cache
+    views = kv.layer(layer_idx)
+    k_cache, v_cache = (views[0][0], views[1][0]) if views is not None else kv.storage[layer_idx]
     x = x.contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     y = torch.empty_like(x)
     cpu_kernels.library().kstep_decode_layer(ctypes.byref(layer), x.data_ptr(), y.data_ptr(), cos.data_ptr(),
                                              sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                             k_cache.stride(1) // k_cache.shape[3], seg.cache_start,
-                                             seg.cache_start + 1,
-                                             torch.get_num_threads())
+                                             k_cache.stride(0) // k_cache.shape[2],
+                                             None if views is not None else kv.slots.data_ptr(), seg.cache_start,
+                                             seg.cache_start + 1, torch.get_num_threads())
     return y

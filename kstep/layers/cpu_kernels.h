@@ -61,7 +61,8 @@ typedef struct {
 
 // One transformer block for one token against a KV cache (see cpu_decode.c).
 void kstep_decode_layer(const kstep_layer *L, const float *x, float *y, const float *cos_, const float *sin_,
-                        float *k_cache, float *v_cache, long cache_slots, long slot, long length, int threads);
+                        float *k_cache, float *v_cache, long cache_slots, const long *slots, long slot, long length,
+                        int threads);
 // The two structs' layout as this compiler lays them out: writes up to n of sizeof(kstep_proj), its
 // fields' (offset, size) pairs in declaration order, then the same for kstep_layer, into out; returns
 // how many there are.

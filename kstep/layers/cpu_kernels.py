@@ -43,7 +43,7 @@ EXPORTS = {
     "kstep_rms_norm_f32": ([_P, _P, _P, _P, _P, _L, _L, _F], None),
     "kstep_rms_norm_bf16": ([_P, _P, _P, _P, _P, _L, _L, _F], None),
     "kstep_quantize_i8": ([_P, _L, _L, _P, _P, _I], None),
-    "kstep_decode_layer": ([_P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _I], None),
+    "kstep_decode_layer": ([_P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _L, _I], None),
     "kstep_decode_layout": ([_P, _L], _L),
     "kstep_draw": ([_P, _P, _L, _L, _P], _L),
 }

@@ -120,11 +120,10 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, seg: Segment, view: KeyView, layer_idx: int) -> torch.Tensor:
         b, T = seg.batch, seg.length
         q, k, v = (t[seg.rows].view(b, T, t.shape[1], self.head_dim).transpose(1, 2) for t in (q, k, v))
-        k_cache, v_cache = seg.cache[layer_idx]
-        k_cache[:, :, seg.cache_start:view.hi] = k
-        v_cache[:, :, seg.cache_start:view.hi] = v
+        seg.cache.write(layer_idx, k, v, seg.cache_start)
+        k_read, v_read = seg.cache.read(layer_idx, view.lo, view.hi)
         out = F.scaled_dot_product_attention(
-            q, k_cache[:, :, view.lo:view.hi], v_cache[:, :, view.lo:view.hi], attn_mask=view.mask,
+            q, k_read, v_read, attn_mask=view.mask,
             is_causal=view.is_causal, scale=1.0, enable_gqa=self.n_heads != self.n_kv_heads)  # (b, H, T, hd)
         return out.transpose(1, 2).reshape(b * T, self.n_heads * self.head_dim)
 

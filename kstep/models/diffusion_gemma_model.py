@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kstep.layers.attention import KVCache, Segment, allocate_layer_kv
+from kstep.layers.attention import KVCache, Segment
 from kstep.layers.labels import labelled
 from kstep.layers.mlp import SwiGLU
 from kstep.models.diffusion_gemma import DiffusionGemmaConfig
@@ -82,8 +82,7 @@ class DiffusionGemma(nn.Module):
         """A cache of its own, for the model called alone (the reference's checks); a runner's decoders
         take theirs from its KV pool (runner/kv_pool.py)."""
         w = self.embed.weight
-        heads, dims = zip(*self.kv_geometry())
-        return allocate_layer_kv(batch, length, list(heads), list(dims), w.device, w.dtype)
+        return KVCache.of_its_own(self.kv_geometry(), batch, length, w.device, w.dtype)
 
     def _embed_scale(self) -> float:
         """sqrt(d_model) rounded to the weight dtype first, as the reference's (53.0, not 53.07, in bf16)."""

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kstep.layers import cpu_decode
-from kstep.layers.attention import Attention, KVCache, Segment, allocate_layer_kv
+from kstep.layers.attention import Attention, KVCache, Segment
 from kstep.layers.labels import labelled
 from kstep.layers.linear import linear
 from kstep.layers.mlp import SwiGLU
@@ -98,8 +98,7 @@ class Transformer(nn.Module):
         """A cache of its own, for the model called alone (training, the references' checks); a runner's
         decoders take theirs from its KV pool (runner/kv_pool.py)."""
         w = self.embed.weight
-        heads, dims = zip(*self.kv_geometry())
-        return allocate_layer_kv(batch, length, list(heads), list(dims), w.device, w.dtype)
+        return KVCache.of_its_own(self.kv_geometry(), batch, length, w.device, w.dtype)
 
     def packed_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                              segments: list[Segment]) -> torch.Tensor:

@@ -1,16 +1,12 @@
 """The bookkeeping of a model's KV pool in fixed pages (issue 45): which pages are free, how many
-holders each granted page has (a prompt's pages shared by the prefix cache and its requests, a
-self-speculation draft forked from its row), and each row's page table: the physical slot of each
-logical slot a decoder writes or reads. Plain Python and one index tensor: the storage (per layer,
-slot-major) and attention through the tables are built on it.
+holders each granted page has (a prompt's pages shared by the prefix cache and the requests that
+map them). Plain Python: the storage and the caches' page tables are runner/kv_pool.py's and
+runner/paged_kv.py's.
 
-Page 0 is never granted: it is the trash page. A logical slot past a row's granted pages maps into
-it, so writes nobody reads (left padding, a block cache's spare slot) land somewhere harmless and a
-masked read stays finite. Free pages are handed out lowest first, so a row granted pages at once
-usually holds a consecutive run, which attention can read as a view instead of a gather; `grant_run`
-asks for a run outright (the first that fits)."""
-import torch
-
+Page 0 is never granted (the trash page, kept so that a page id of 0 is never a cache's). Free pages
+are handed out lowest first, so a cache granted pages at once usually holds a consecutive run, which
+attention reads as a view instead of a gather; `grant_run` asks for a run outright (the first that
+fits), `grant_after` extends one."""
 TRASH_PAGE = 0
 
 
@@ -67,6 +63,15 @@ class PagePool:
         self._take(range(at, at + num_pages))
         return at
 
+    def grant_after(self, page: int, num_pages: int) -> list[int]:
+        """`num_pages` free pages, those right after `page` when they are all free (a growing row stays
+        one run), else the lowest; PoolFull (nothing granted) if fewer are free."""
+        after = range(page + 1, page + 1 + num_pages)
+        if num_pages and after.stop <= self.num_pages and all(self._is_free[p] for p in after):
+            self._take(after)
+            return list(after)
+        return self.grant(num_pages)
+
     def _take(self, pages) -> None:
         for page in pages:
             self._is_free[page], self._holders[page] = 0, 1
@@ -95,34 +100,3 @@ class PagePool:
                 or self._holders[page] == 0]
         if idle:
             raise RuntimeError(f"internal: pages {idle} are not granted")
-
-
-class PageTable:
-    """One row's pages, in logical order: logical slot s is slot s % P of page pages[s // P]."""
-
-    def __init__(self, page_tokens: int, pages: list[int] | None = None):
-        self.page_tokens, self.pages = page_tokens, list(pages or [])
-
-    @property
-    def num_slots(self) -> int:
-        return len(self.pages) * self.page_tokens
-
-    def slots(self, start: int, stop: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """(stop - start,) int64 physical slots of logical slots [start, stop); those past the granted
-        pages are the trash page's."""
-        P = self.page_tokens
-        logical = range(start, stop)
-        return torch.tensor([(self.pages[s // P] if s // P < len(self.pages) else TRASH_PAGE) * P + s % P
-                             for s in logical], dtype=torch.long, device=device)
-
-    def run(self, start: int, stop: int) -> tuple[int, int] | None:
-        """The physical slots [a, b) of logical slots [start, stop) when they lie in consecutive
-        pages (one view of the storage, no gather), else None."""
-        if stop <= start:
-            return None
-        P = self.page_tokens
-        first, last = start // P, (stop - 1) // P
-        if last >= len(self.pages) or any(self.pages[i + 1] != self.pages[i] + 1 for i in range(first, last)):
-            return None
-        begin = self.pages[first] * P + start % P
-        return begin, begin + (stop - start)

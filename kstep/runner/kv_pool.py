@@ -4,11 +4,11 @@ bounded by construction and a request joins only when its pages are free.
 
 Storage: per layer, keys and values of shape (Hkv_l, slots, hd_l), head-major as a contiguous cache
 is, cut into pages of `page_tokens` slots (kv_pages.py keeps the books). A cache of `batch` rows of
-`length` slots is granted as one run of consecutive pages, row after row, so each layer's cache is a
-plain strided view (batch, Hkv, length, hd) of the storage: attention, the CPU decode kernel, the
-prefix cache and self-speculation's row copies read and write it as they did a cache of their own,
-with no gather and no copy. A run needs consecutive free pages: a pool with enough pages free but
-none in a run waits for one to free up (fragmentation costs admission, never memory or correctness).
+`length` slots holds a page table per row (paged_kv.py reads and writes through them): any free
+pages will do, so a fragmented pool never makes a request wait while enough pages are free. Pages
+are granted as one run where the pool has one and a growing row takes the pages right after its
+last where they are free, so most caches are plain strided views; the rest are gathered.
+A cache grows by taking pages (no copy); a prefix-cache hit maps the cached pages into its tables.
 
 The pages go back when the cache object is collected (its last holder drops it): nothing can still
 read a page that is handed out again. Pages are zeroed the first time they are granted (a masked
@@ -21,21 +21,13 @@ import torch
 
 from kstep.runner import memory_budget
 from kstep.runner.kv_pages import PagePool, PoolFull
+from kstep.layers.paged_kv import PagedKV
 
 DEFAULT_PAGE_TOKENS = 16
 
 
 class KVBudgetExceeded(ValueError):
     """A request whose caches are larger than the whole KV pool: it could never run (a 400, not a wait)."""
-
-
-class PagedKV(list):
-    """One cache: per layer (keys, values), each a (batch, Hkv, length, hd) view of the pool's storage;
-    `first_page` where its run starts (a tensor-parallel rank places its own at the same pages)."""
-    batch: int
-    length: int
-    first_page: int
-    num_pages: int
 
 
 class KVPool:
@@ -49,7 +41,7 @@ class KVPool:
         self.storage = [(torch.empty(h, slots, d, device=device, dtype=dtype),
                          torch.empty(h, slots, d, device=device, dtype=dtype)) for h, d in geometry]
         self._zeroed = bytearray(num_pages)  # 1 = zeroed once already
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()  # a cache may be collected (its pages released) on another thread
         memory_budget.reserve(self, self.nbytes)
         weakref.finalize(self, memory_budget.release, id(self))
 
@@ -69,8 +61,12 @@ class KVPool:
         return self.pages.page_tokens
 
     @property
+    def page_bytes(self) -> int:
+        return self.page_tokens * bytes_per_token(self.geometry, self.dtype)
+
+    @property
     def nbytes(self) -> int:
-        return self.pages.num_pages * self.page_tokens * bytes_per_token(self.geometry, self.dtype)
+        return self.pages.num_pages * self.page_bytes
 
     @property
     def capacity_tokens(self) -> int:
@@ -85,49 +81,93 @@ class KVPool:
                 "free": free}
 
     def allocate(self, batch: int, length: int) -> PagedKV:
-        """A cache of `batch` rows of `length` slots from free pages (PoolFull when no run of them is
-        free); its pages go back when it is collected."""
+        """A cache of `batch` rows of `length` slots from free pages (PoolFull when too few are free):
+        one run of consecutive pages where the pool has one (read as a view), else any pages. Its
+        pages go back when it is collected."""
         row_pages = self.pages.pages_for(length)
-        with self._lock:
+        with self.lock:
             try:
                 first = self.pages.grant_run(batch * row_pages)
-            except PoolFull as e:
-                raise PoolFull(f"the KV pool ({self.nbytes / 2**20:.1f} MiB, --kv-cache-memory) has not the pages for "
-                               f"{batch} rows of {length} slots free now: {e}") from None
-        kv = self.views_at(first, batch, length)
-        weakref.finalize(kv, self._release, range(first, first + batch * row_pages))
+                granted = list(range(first, first + batch * row_pages))
+            except PoolFull:
+                try:
+                    granted = self.pages.grant(batch * row_pages)
+                except PoolFull as e:
+                    raise PoolFull(f"the KV pool ({self.nbytes / 2**20:.1f} MiB, --kv-cache-memory) has not the "
+                                   f"pages for {batch} rows of {length} slots free now: {e}") from None
+        self._zero_fresh(granted)
+        kv = PagedKV(self.storage, self.page_tokens,
+                     [granted[r * row_pages:(r + 1) * row_pages] for r in range(batch)], length)
+        weakref.finalize(kv, self.release, kv.held)  # the list itself: growth and mapping change it
         return kv
 
-    def _release(self, pages: range) -> None:
-        with self._lock:  # a cache may be collected on another thread than the engine's
+    def grow(self, kv: PagedKV, length: int) -> None:
+        """Give every row of `kv` the pages `length` slots need (PoolFull, nothing changed, when too few
+        are free): no copy, each row's new pages follow its last one where they are free (it stays a view)."""
+        more = self.pages.pages_for(length) - len(kv.tables[0])
+        with self.lock:
+            if more * kv.batch > self.pages.num_free:
+                raise PoolFull(f"the KV pool ({self.nbytes / 2**20:.1f} MiB) has not {more * kv.batch} pages free "
+                               f"now to grow {kv.batch} rows to {length} slots ({self.pages.num_free} free)")
+            added = [self.pages.grant_after(table[-1], more) for table in kv.tables]
+        for table, pages in zip(kv.tables, added):
+            table.extend(pages)
+            kv.held.extend(pages)
+            self._zero_fresh(pages)
+        kv.length = length
+        kv.reindex()
+
+    def map_shared(self, kv: PagedKV, pages: list[int]) -> None:
+        """Every row of `kv` reads its first len(pages) pages from `pages` (a prefix cache's, one more
+        holder each) instead of its own (given back): a cached prompt prefix, with no copy."""
+        with self.lock:
+            for table in kv.tables:
+                own = table[:len(pages)]
+                self.pages.share(pages)
+                self.pages.release(own)
+                table[:len(pages)] = pages
+                for page in own:
+                    kv.held.remove(page)
+                kv.held.extend(pages)
+        kv.shared_until = max(kv.shared_until, len(pages) * self.page_tokens)
+        kv.reindex()
+
+    def hold(self, pages: list[int]) -> None:
+        """One more holder for granted `pages` (a prefix cache keeping a request's prompt pages)."""
+        with self.lock:
+            self.pages.share(pages)
+
+    def release(self, pages: list[int]) -> None:
+        """One holder fewer for each of `pages` (a dropped cache's, an evicted cached block's)."""
+        with self.lock:
             self.pages.release(pages)
 
-    def views_at(self, first_page: int, batch: int, length: int) -> PagedKV:
-        """The cache whose run starts at `first_page` (granted here, or by rank 0 of a tensor-parallel
-        group for this rank's own storage), its never-used pages zeroed."""
-        P, row_pages = self.page_tokens, self.pages.pages_for(length)
-        start, stop = first_page * P, (first_page + batch * row_pages) * P
-        self._zero_fresh(first_page, batch * row_pages)
-        kv = PagedKV((k[:, start:stop].view(k.shape[0], batch, row_pages * P, k.shape[2]).transpose(0, 1)[:, :, :length],
-                      v[:, start:stop].view(v.shape[0], batch, row_pages * P, v.shape[2]).transpose(0, 1)[:, :, :length])
-                     for k, v in self.storage)
-        kv.batch, kv.length, kv.first_page, kv.num_pages = batch, length, first_page, batch * row_pages
-        return kv
+    def view(self, tables: list[list[int]], length: int) -> PagedKV:
+        """A cache over pages granted elsewhere (rank 0 of a tensor-parallel group grants the pages
+        each rank uses in its own storage), its never-used pages zeroed."""
+        self._zero_fresh([page for table in tables for page in table])
+        return PagedKV(self.storage, self.page_tokens, [list(t) for t in tables], length)
 
-    def _zero_fresh(self, first_page: int, num_pages: int) -> None:
-        P, page = self.page_tokens, first_page
-        while page < first_page + num_pages:
-            if self._zeroed[page]:
-                page += 1
-                continue
-            end = page
-            while end < first_page + num_pages and not self._zeroed[end]:
-                self._zeroed[end] = 1
+    def retable(self, kv: PagedKV, tables, length: int) -> None:
+        """`kv` (a `view`) over the pages rank 0's cache holds now (it grew, or mapped shared pages)."""
+        kv.tables, kv.length = [list(t) for t in tables], length
+        self._zero_fresh([page for table in kv.tables for page in table])
+        kv.reindex()
+
+    def _zero_fresh(self, pages: list[int]) -> None:
+        P = self.page_tokens
+        fresh = sorted(page for page in pages if not self._zeroed[page])
+        at = 0
+        while at < len(fresh):  # one span of consecutive never-used pages at a time
+            end = at
+            while end + 1 < len(fresh) and fresh[end + 1] == fresh[end] + 1:
                 end += 1
-            for k, v in self.storage:  # one span of never-used pages at a time
-                k[:, page * P:end * P].zero_()
-                v[:, page * P:end * P].zero_()
-            page = end
+            for k, v in self.storage:
+                k[:, fresh[at] * P:(fresh[end] + 1) * P].zero_()
+                v[:, fresh[at] * P:(fresh[end] + 1) * P].zero_()
+            for page in fresh[at:end + 1]:
+                self._zeroed[page] = 1
+            at = end + 1
 
 
 def bytes_per_token(geometry: list[tuple[int, int]], dtype: torch.dtype) -> int:
@@ -156,11 +196,3 @@ def pool_for(model, device: torch.device, dtype: torch.dtype, budget_bytes: int 
     if budget_bytes is None:
         budget_bytes = memory_budget.kv_budget(device, ranks * bytes_per_token(geometry, dtype), model.cfg.max_positions)
     return KVPool.within(budget_bytes // ranks, geometry, model.cfg.block_size or DEFAULT_PAGE_TOKENS, device, dtype)
-
-
-def copy_rows(src: PagedKV, dst: PagedKV, src_rows: list[int], dst_rows: list[int]) -> None:
-    """Rows of one cache into rows of another, every layer, the slots both have."""
-    for (k, v), (dk, dv) in zip(src, dst):
-        n = min(k.shape[2], dk.shape[2])
-        dk[dst_rows, :, :n] = k[src_rows, :, :n]
-        dv[dst_rows, :, :n] = v[src_rows, :, :n]

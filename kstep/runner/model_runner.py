@@ -12,7 +12,7 @@ import torch
 
 from kstep.layers.attention import KVCache, Segment
 from kstep.models.network import Network
-from kstep.runner.kv_pool import KVBudgetExceeded, KVPool, copy_rows, pool_for
+from kstep.runner.kv_pool import KVBudgetExceeded, KVPool, pool_for
 from kstep.runner.prefix_cache import PrefixCache
 from kstep.runner.pass_output import PassOutput
 from kstep.runner.top_tokens import TopRequest, local_stats, merge
@@ -98,22 +98,21 @@ class ModelRunner:
         return pool
 
     def grow_kv(self, kv: KVCache, length: int) -> KVCache:
-        """`kv` moved into a cache of `length` slots (its slots copied; PoolFull, nothing changed, when
-        the pool has no run for it): an AR request's cache grows as it decodes."""
-        grown = self.allocate_kv(kv.batch, length)
-        rows = list(range(kv.batch))
-        self.copy_kv(kv, grown, rows, rows)
-        return grown
+        """`kv` with the pages `length` slots need (taken from the pool, no copy; PoolFull, nothing
+        changed, when too few are free): a request's cache grows as it decodes."""
+        if length > self.cfg.max_positions:
+            raise ValueError(f"prompt + max_tokens ({length}) exceeds the model's context of {self.cfg.max_positions}")
+        self.check_kv_fits(kv.batch, length).grow(kv, length)
+        return kv
 
     def copy_kv(self, src: KVCache, dst: KVCache, src_rows: list[int], dst_rows: list[int]) -> None:
         """Copy rows of one KV cache into rows of another (every layer, the slots both have): a block
-        model's self-speculation gives each draft a row holding the prefix's keys; a growing cache."""
-        copy_rows(src, dst, src_rows, dst_rows)
+        model's self-speculation gives each draft a row holding the prefix's keys."""
+        src.copy_rows(dst, src_rows, dst_rows)
 
     def make_prefix_cache(self, budget_bytes: int, block_size: int) -> PrefixCache:
-        """A prefix cache for this model's requests, its blocks in pages of the model's KV pool (a
-        tensor-parallel runner's is kept on every rank)."""
-        return PrefixCache(budget_bytes, block_size, allocate=lambda slots: self.allocate_kv(1, slots))
+        """A prefix cache for this model's requests, its blocks pages of the model's KV pool."""
+        return PrefixCache(budget_bytes, block_size, self.kv_pool or self.make_kv_pool())
 
     def _positions(self, key_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
         if key_mask is None:

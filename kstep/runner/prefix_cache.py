@@ -1,61 +1,58 @@
-"""Prefix caching for the AR path: requests that share a prompt prefix (a system prompt, a
-few-shot header, a file completed many times) copy its keys/values instead of recomputing them.
+"""Prefix caching for the causal paths (AR, block diffusion, causal context): requests that share
+a prompt prefix (a system prompt, a few-shot header, a file completed many times) read its
+keys/values from the pages that hold them instead of recomputing them.
 
-The prompt is cut into blocks of `block_size` tokens; a block is addressed by its tokens and its
-parent block's key (so equal blocks after different prefixes never mix). A block holds its
-keys/values for every layer. A block is referenced by its children; only unreferenced blocks (the
-leaves) are evicted, least recently used first, when the memory budget is exceeded. Requests copy
-blocks into their own cache, so an eviction never touches a running request.
+The prompt is cut into blocks of `block_size` tokens (whole pages of the model's KV pool); a block is
+addressed by its tokens and its parent block's key (so equal blocks after different prefixes never
+mix). A block is the pool pages where the request that stored it wrote those keys: storing takes one
+more holder of them (no copy), and a later request maps them into its page tables (no copy either;
+runner/kv_pool.py `map_shared`) and never writes them. A block is referenced by its children; only
+unreferenced blocks (the leaves) are evicted, least recently used first, when the cache's budget
+(--prefix-cache-mib, a ceiling inside the pool) is exceeded, or when a request needs pages (the
+engine evicts leaves before it makes a request wait or preempts one). A page goes back to the pool
+when its last holder lets go, so an eviction never touches a running request.
 
-A model's prefix cache keeps its blocks in pages of the model's KV pool (runner/kv_pool.py), so the
-pool is the one budget: cached blocks hold pages only while no request needs them (the engine evicts
-the least recently used leaves before it makes a request wait or preempts one), and the cache's own
-budget (--prefix-cache-mib) is a ceiling inside the pool. A block that finds no free pages is not
-stored. (A tensor-parallel model's ranks keep theirs as tensors of their own, mirrored from rank 0.)
+A tensor-parallel group's other ranks need nothing of it: rank 0 grants every page, and each rank's
+storage of a cached page keeps what that rank wrote there until the page is free again.
 
 Only causal models: in a bidirectional (diffusion) model a prompt token's keys/values depend on
 everything after it, including the masked canvas, so a shared prefix does not have shared keys.
 """
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
-from kstep.layers.attention import KVCache
-from kstep.runner.kv_pages import PoolFull
+from kstep.layers.paged_kv import PagedKV
+from kstep.runner.kv_pool import KVPool
 
 
 @dataclass(slots=True)
 class Block:
     parent: int | None
-    keys: list[torch.Tensor]      # per layer (Hkv, block_size, hd)
-    values: list[torch.Tensor]
+    pages: list[int]  # of the pool, one holder of each is this block's
     children: int = 0
-    pages: object = None          # the pool's cache the keys and values are views of (its pages go with it)
-
-    @property
-    def num_pages(self) -> int:
-        return 0 if self.pages is None else self.pages.num_pages
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, block_size: int = 16, allocate: Callable[[int], KVCache] | None = None):
-        """`allocate(slots)`: a one-row KV cache from the model's pool for a block (PoolFull when none
-        is free); None: blocks are tensors of their own."""
-        if budget_bytes < 0 or block_size <= 0:
-            raise ValueError(f"prefix cache budget ({budget_bytes}) must be >= 0 and block size ({block_size}) > 0")
-        self.budget, self.block_size, self.allocate = budget_bytes, block_size, allocate
+    def __init__(self, budget_bytes: int, block_size: int, pool: KVPool):
+        if budget_bytes < 0 or block_size <= 0 or block_size % pool.page_tokens:
+            raise ValueError(f"prefix cache budget ({budget_bytes}) must be >= 0 and block size ({block_size}) a "
+                             f"positive multiple of the KV pool's page ({pool.page_tokens} tokens)")
+        self.budget, self.block_size, self.pool = budget_bytes, block_size, pool
+        self.pages_a_block = block_size // pool.page_tokens
         self.blocks: OrderedDict[int, Block] = OrderedDict()  # in LRU order, oldest first
-        self.nbytes = 0
-        self.num_pages = 0  # pool pages its blocks hold (0 when they are tensors of their own)
+        self.num_pages = 0
         self.hit_tokens = self.query_tokens = 0
         self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.pool.page_bytes
+
+    def only_held_pages(self) -> int:
+        """Pages only this cache holds (a running request's shared prompt pages are in use, not cached)."""
+        with self._lock:
+            return sum(self.pool.pages.holders(page) == 1 for block in self.blocks.values() for page in block.pages)
 
     def _keys(self, tokens: list[int]) -> list[int]:
         keys, parent = [], None
@@ -64,9 +61,9 @@ class PrefixCache:
             keys.append(parent)
         return keys
 
-    def load(self, tokens: list[int], kv: KVCache, max_tokens: int) -> int:
-        """Copy the longest cached prefix of `tokens` (whole blocks, at most max_tokens) into every
-        row of kv at slots [0, n); returns n."""
+    def load(self, tokens: list[int], kv: PagedKV, max_tokens: int) -> int:
+        """Map the longest cached prefix of `tokens` (whole blocks, at most max_tokens) into every row
+        of kv at slots [0, n); returns n."""
         with self._lock:
             found = []
             for key in self._keys(tokens[:max_tokens]):
@@ -77,67 +74,49 @@ class PrefixCache:
             n = len(found) * self.block_size
             self.query_tokens += len(tokens)
             self.hit_tokens += n
-        for i, block in enumerate(found):
-            start = i * self.block_size
-            for layer, (k_cache, v_cache) in enumerate(kv):
-                k_cache[:, :, start:start + self.block_size] = block.keys[layer]
-                v_cache[:, :, start:start + self.block_size] = block.values[layer]
+            if found:  # under the lock: an eviction cannot give the pages back before kv holds them
+                self.pool.map_shared(kv, [page for block in found for page in block.pages])
         return n
 
-    def store(self, tokens: list[int], kv: KVCache, row: int = 0) -> None:
-        """Add the whole blocks of `tokens`, whose keys/values sit in kv's `row` at slots [0, len)."""
+    def store(self, tokens: list[int], kv: PagedKV, row: int = 0) -> None:
+        """Keep the whole blocks of `tokens`, whose keys/values kv's `row` holds at slots [0, len)."""
+        per = self.pages_a_block
         with self._lock:
             parent = None
             for i, key in enumerate(self._keys(tokens)):
                 if key in self.blocks:
                     self.blocks.move_to_end(key)
                 else:
-                    block = self._block(parent, kv, row, slice(i * self.block_size, (i + 1) * self.block_size))
-                    if block is None:  # no free pages: this block and those after it are not kept
-                        break
-                    self.blocks[key] = block
-                    self.nbytes += block.nbytes
-                    self.num_pages += block.num_pages
+                    pages = kv.tables[row][i * per:(i + 1) * per]
+                    self.pool.hold(pages)
+                    self.blocks[key] = Block(parent, pages)
+                    self.num_pages += per
                     if parent is not None:
                         self.blocks[parent].children += 1
                 parent = key
-            self._evict()
-
-    def _block(self, parent: int | None, kv: KVCache, row: int, span: slice) -> Block | None:
-        """A block holding kv's `row` at slots `span`: in pages of the pool (None when none are free),
-        or copies of its own."""
-        if self.allocate is None:
-            return Block(parent, [k[row, :, span].clone() for k, _ in kv], [v[row, :, span].clone() for _, v in kv])
-        try:
-            pages = self.allocate(self.block_size)
-        except PoolFull:
-            return None
-        for (k_page, v_page), (k, v) in zip(pages, kv, strict=True):
-            k_page[0].copy_(k[row, :, span])
-            v_page[0].copy_(v[row, :, span])
-        return Block(parent, [k[0] for k, _ in pages], [v[0] for _, v in pages], pages=pages)
+            # its own row's pages are shared now: the request must not write them again
+            kv.shared_until = max(kv.shared_until, len(self._keys(tokens)) * self.block_size)
+            while self.nbytes > self.budget and self._evict_one(only_held=False):
+                pass
 
     def evict_leaves(self, count: int) -> int:
-        """Evict up to `count` blocks, each the least recently used one nothing refers to (a parent
-        becomes one once its children are gone): their pages go back to the pool, a request needs
-        them. How many went."""
+        """Evict up to `count` blocks whose pages only this cache holds, each the least recently used
+        one nothing refers to (a parent becomes one once its children are gone): their pages go back
+        to the pool, a request needs them. How many went."""
         with self._lock:
             evicted = 0
-            while evicted < count and self._evict_one():
+            while evicted < count and self._evict_one(only_held=True):
                 evicted += 1
             return evicted
 
-    def _evict(self) -> None:
-        while self.nbytes > self.budget and self._evict_one():
-            pass
-
-    def _evict_one(self) -> bool:
-        victim = next((key for key, b in self.blocks.items() if b.children == 0), None)
+    def _evict_one(self, only_held: bool) -> bool:
+        victim = next((key for key, b in self.blocks.items() if b.children == 0
+                       and (not only_held or all(self.pool.pages.holders(p) == 1 for p in b.pages))), None)
         if victim is None:
             return False
         block = self.blocks.pop(victim)
-        self.nbytes -= block.nbytes
-        self.num_pages -= block.num_pages
+        self.num_pages -= len(block.pages)
+        self.pool.release(block.pages)
         if block.parent is not None and block.parent in self.blocks:
             self.blocks[block.parent].children -= 1
         return True

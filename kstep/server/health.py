@@ -27,7 +27,7 @@ def kv_pools(llm, prefix_cache=None) -> dict:
     pools = {"model": llm.runner.kv_pool}
     if getattr(llm.drafter, "kv_pool", None) is not None:
         pools["draft"] = llm.drafter.kv_pool
-    cached = {"model": 0 if prefix_cache is None else prefix_cache.num_pages}
+    cached = {"model": 0 if prefix_cache is None else prefix_cache.only_held_pages()}
     return {name: {"bytes": pool.nbytes, "page_tokens": pool.page_tokens, "pages": pool.usage(cached.get(name, 0))}
             for name, pool in pools.items() if pool is not None}
 

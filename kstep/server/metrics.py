@@ -101,7 +101,7 @@ class ModelMetrics:
                 continue
             for state in ("used", "cached", "free", "total"):
                 self.metrics.kv_pool_pages.labels(label, state).set_function(
-                    lambda p=pool, s=state, c=cache: p.usage(0 if c is None else c.num_pages)[s])
+                    lambda p=pool, s=state, c=cache: p.usage(0 if c is None else c.only_held_pages())[s])
             self.metrics.kv_pool_bytes.labels(label).set(pool.nbytes)
 
     def observe_step(self, stats: StepStats, engine: Engine) -> None:
