@@ -9,6 +9,7 @@ import json
 import httpx
 import openai
 import pytest
+import torch
 from test_server import client, metric
 
 import kstep
@@ -111,3 +112,36 @@ def test_a_block_models_caches_grow_and_its_preempted_requests_resume_as_alone(t
     assert sum(usage.get("preemptions", 0) for _, usage in burst) > 0
     health = httpx.get(tight_block_server + "/health").json()["models"]["ar"]["kv_pool"]["model"]
     assert health["pages"]["used"] == 0 and health["page_tokens"] == 4
+
+
+def test_speculative_caches_grow_and_preempted_requests_resume_as_alone(tmp_path_factory):
+    """A target and its draft model, each cache starting at the prompt and a first stretch and growing
+    round by round (the draft model's beside the target's): on a pool of 8 pages each, requests that
+    grow are preempted and resume to the output they get alone."""
+    target = write_random_checkpoint(tmp_path_factory.mktemp("target"), family="qwen2", seed=12)
+    draft = write_random_checkpoint(tmp_path_factory.mktemp("draft"), family="qwen2", seed=5, d_model=32,
+                                    n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64)
+    per_token = sum(bytes_per_token(kstep.load(p).model.kv_geometry(), torch.float32) for p in (target, draft))
+    budget = (8 + 1) * 16 * per_token  # 8 pages of 16 (and the trash page) in each pool
+    bodies = [{"prompt": [3 + i, 40 + i, 7], "max_tokens": 40, "temperature": 0.8 * (i % 2), "seed": 300 + i,
+               "ignore_eos": True, "num_draft_tokens": 3} for i in range(6)]
+    with running_server(target, "--draft", str(draft), "--served-model-name", "ar", "--kv-cache-memory", str(budget),
+                        "--max-batch-size", "8", log=tmp_path_factory.mktemp("log") / "serve.log") as (url, _):
+        alone = _run(url, bodies, False, together=False)
+        burst = _run(url, bodies, True, together=True)
+        assert [text for text, _ in burst] == [text for text, _ in alone]
+        assert sum(usage.get("preemptions", 0) for _, usage in burst) > 0
+        health = httpx.get(url + "/health").json()["models"]["ar"]["kv_pool"]
+        assert all(pool["pages"]["used"] == 0 for pool in health.values())
+
+
+def test_a_causal_context_models_caches_grow_and_its_preempted_requests_resume_as_alone(tmp_path_factory):
+    """Nemotron-Labs-Diffusion's causal context (blocks of 8: a page each) on a pool of 12 pages: a
+    request's cache starts at its prompt and first block (2 pages) and grows block by block to 6."""
+    bodies = [{"prompt": [3 + i, 40 + i, 7], "max_tokens": 40, "temperature": 0.8 * (i % 2), "seed": 400 + i,
+               "ignore_eos": True} for i in range(6)]
+    with _tight_server(tmp_path_factory, "nemotron_labs_diffusion", 14, pages=12, page_tokens=8) as (url, _):
+        alone = _run(url, bodies, False, together=False)
+        burst = _run(url, bodies, True, together=True)
+        assert [text for text, _ in burst] == [text for text, _ in alone]
+        assert sum(usage.get("preemptions", 0) for _, usage in burst) > 0

@@ -15,16 +15,13 @@ short prefill (SGLang's jump-forward decoding).
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
-from kstep.decoding.kv_growth import GrowingCache
+from kstep.decoding.kv_growth import FIRST_GROWTH, GrowingCache
 from kstep.decoding.sampling import OutputRules, constrain, pick_tokens
 from kstep.decoding.unmask import top_request
 from kstep.outputs import StepOutput
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner, asking, positions_from_padding
 from kstep.runner.pass_output import PassOutput
-
-FIRST_GROWTH = 16  # completion slots a cache starts with; it doubles its completion part as it fills
-
 
 class AutoregressiveDecoder(Decoder):
     """Decodes left-padded prompts (B, P) until every row hits a stop id or max_tokens."""

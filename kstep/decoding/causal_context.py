@@ -25,6 +25,7 @@ as an AR model's.
 import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources, final_rows, prefix_step_output
+from kstep.decoding.kv_growth import GrowingCache
 from kstep.decoding.sampling import OutputRules, constrain, pick_tokens
 from kstep.decoding.schedule import num_transfer_tokens
 from kstep.decoding.unmask import choose_top, confidence_rule, sampled_probability
@@ -57,7 +58,9 @@ class CausalContextDecoder(Decoder):
         self.positions = torch.arange(W, device=device).expand(B, -1) if key_mask is None \
             else positions_from_padding(key_mask)  # (B, W)
         self.prompt_lengths = self.positions[:, -1] + 1  # (B,)
-        self.kv = runner.allocate_kv(B, slots)
+        # the cache grows block by block (kv_growth.py): the prompt and a first block now
+        self.cache = GrowingCache(runner, B, slots)
+        self.kv = self.cache.room(None, W + bs)
         self.block_idx = torch.zeros(B, dtype=torch.long, device=device)  # each row's current block
         self.phase = torch.full((B,), DENOISE, dtype=torch.long, device=device)
         self.passes_in_block = torch.zeros(B, dtype=torch.long, device=device)
@@ -70,6 +73,9 @@ class CausalContextDecoder(Decoder):
         self.row_nfe = torch.zeros(B, dtype=torch.long, device=device)
         self.nfe, self.is_finished = 0, False
         self.lengths = [0] * B  # committed tokens reported per row
+
+    def reserve(self) -> None:
+        self.kv = self.cache.room(self.kv, self.cache.most)
 
     def next_passes(self) -> list[ForwardPass]:
         if self.is_finished:
@@ -90,6 +96,7 @@ class CausalContextDecoder(Decoder):
         bs = self.params.block_length
         offsets = torch.arange(bs, device=self.canvas.device)
         starts = self.prompt_width + self.block_idx * bs  # (B,) slot of each row's block
+        self.kv = self.cache.room(self.kv, int(starts.max()) + bs)  # PoolFull: the engine preempts, asks again
         ids = self.canvas.gather(1, starts[:, None] + offsets)  # (B, bs)
         positions = (self.prompt_lengths + self.block_idx * bs)[:, None] + offsets
         self.columns = self._read_columns(ids)

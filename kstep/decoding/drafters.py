@@ -18,6 +18,7 @@ rejection rule in `speculative.py` makes the output the target's distribution wh
 import torch
 import torch.nn.functional as F
 
+from kstep.decoding.kv_growth import GrowingCache
 from kstep.decoding.sampling import pick_tokens, sample_tokens, sampling_probs, suppress_stop_tokens
 from kstep.params import GenerationParams
 from kstep.runner.model_runner import ForwardPass, ModelRunner
@@ -37,8 +38,13 @@ class ModelDrafter:
                  stop_ids: torch.Tensor, generator: torch.Generator | None):
         self.runner, self.prompts, self.positions, self.key_mask, self.real = runner, prompts, positions, key_mask, real
         self.params, self.stop_ids, self.generator = params, stop_ids, generator
-        self.kv = runner.allocate_kv(prompts.shape[0], real.shape[1])
+        self.cache = GrowingCache(runner, prompts.shape[0], real.shape[1])
+        self.kv = None
         self.num_passes = 0
+
+    def room(self, slots: int) -> None:
+        """A cache of at least `slots` slots (grown as the target's is; PoolFull, nothing changed)."""
+        self.kv = self.cache.room(self.kv, slots)
 
     def prefill_pass(self, start: int, end: int) -> ForwardPass:
         """The prompt's columns [start, end) into the draft's cache (its logits are not needed: the
@@ -139,6 +145,9 @@ class NgramDrafter:
         # A deterministic proposal is the distribution with all its mass on the draft token.
         return drafts, F.one_hot(drafts, self.vocab_size).double()
 
+    def room(self, slots: int) -> None:
+        """No cache of its own."""
+
     def release(self) -> None:
         pass
 
@@ -185,6 +194,9 @@ class SelfDrafter:
 
     def result(self) -> tuple[torch.Tensor, None]:
         return self.drafts, None
+
+    def room(self, slots: int) -> None:
+        """Its cache is the target's (grown in place by the speculative decoder)."""
 
     def release(self) -> None:
         self.kv = None

@@ -1,5 +1,6 @@
 """A decoder's KV cache that grows with its output, page by page of the model's pool
-(runner/kv_pool.py): the AR decoder's and the block-diffusion decoders'.
+(runner/kv_pool.py): the AR decoder's, the speculative decoder's (target and draft model) and the
+block-diffusion decoders'.
 
 It starts with what the prompt and a first stretch of output need; when a pass needs more slots,
 its rows take the pages those need (no copy: the pages join the rows' page tables), so a request
@@ -8,6 +9,9 @@ pool is refused when it is made (KVBudgetExceeded); a cache that cannot grow now
 with nothing changed (the engine preempts a request and asks again)."""
 from kstep.layers.attention import KVCache
 from kstep.runner.model_runner import ModelRunner
+
+
+FIRST_GROWTH = 16  # completion slots a cache starts with (then a page at a time as it fills)
 
 
 class GrowingCache:

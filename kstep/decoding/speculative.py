@@ -26,6 +26,7 @@ import torch
 
 from kstep.decoding.base import DecodeBatch, Decoder, DecoderResources
 from kstep.decoding.drafters import NGRAM, SELF, ModelDrafter, NgramDrafter, SelfDrafter
+from kstep.decoding.kv_growth import FIRST_GROWTH, GrowingCache
 from kstep.decoding.sampling import OutputRules, constrain, pick_tokens, sampling_probs
 from kstep.decoding.unmask import top_request
 from kstep.outputs import StepOutput
@@ -92,7 +93,10 @@ class SpeculativeDecoder(Decoder):
         self.gamma = params.num_draft_tokens
         B, P = prompts.shape
         slots = P + params.max_tokens + self.gamma + 1
-        self.kv = runner.allocate_kv(B, slots)
+        # The caches grow as the completion does (kv_growth.py): the prompt and a first stretch now, then
+        # each round the slots its passes write (all of it only if it fits the pool at all).
+        self.cache = GrowingCache(runner, B, slots)
+        self.kv = self.cache.room(None, P + min(params.max_tokens, FIRST_GROWTH) + self.gamma + 1)
         self.real = torch.ones(B, slots, dtype=torch.bool, device=prompts.device)
         if key_mask is not None:
             self.real[:, :P] = key_mask
@@ -108,6 +112,7 @@ class SpeculativeDecoder(Decoder):
         else:
             self.drafter = ModelDrafter(draft, prompts, self.positions, key_mask, self.real, params,
                                         stop_ids, generator)
+        self.drafter.room(self.kv.length)
         self.phase, self.prefilled = "prefill", 0  # -> ("draft" ->) "verify" -> ...; prompt columns cached
         self.out: list[list[int]] = [[] for _ in range(B)]
         self.row_finished = [False] * B
@@ -125,9 +130,20 @@ class SpeculativeDecoder(Decoder):
 
     # --- passes -----------------------------------------------------------------------------------
 
+    def _room(self, slots: int) -> None:
+        """Caches of at least `slots` slots, the target's and a draft model's (PoolFull, nothing more
+        changed: the engine preempts a request and asks again)."""
+        self.kv = self.cache.room(self.kv, slots)
+        self.drafter.room(slots)
+
+    def reserve(self) -> None:
+        self._room(self.cache.most)
+
     def next_passes(self) -> list[ForwardPass]:
         if self.is_finished:
             return []
+        if self.phase != "prefill":  # a round writes at most gamma + 1 slots past its rows' committed tokens
+            self._room(self.prompts.shape[1] + max(len(o) for o in self.out) + self.gamma + 1)
         if self.phase == "prefill":  # the prompt into both caches, whole or in chunks; its last pass picks token 1
             (B, P), start, has_draft = self.prompts.shape, self.prefilled, isinstance(self.drafter, ModelDrafter)
             end = self.next_chunk(start, P, B * (1 + has_draft))  # (a draft model's chunk counts too)
