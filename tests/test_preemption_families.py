@@ -2,9 +2,10 @@
 preempted mid-decode (its KV pages dropped, back to the queue's head) resumes by recomputing: an
 AR decoder keeps its state and rebuilds its cache from the prompt and its tokens as a prefill; any
 other decoder starts again from its prompt with its own seed, what it had committed checked on the
-way. Each ends with exactly the tokens it gets when never preempted, none committed twice. (Only AR caches grow, so only AR requests are
-preempted by the pool itself, tests/test_preemption.py; the recomputation is the same for every family,
-and is forced here where a family's caches never grow.)"""
+way. Each ends with exactly the tokens it gets when never preempted, none committed twice. (AR, speculative, block-diffusion and
+causal-context caches grow, so those requests are preempted by the pool itself, tests/test_preemption.py;
+the recomputation is the same for every family, and is forced here, also where a family's caches never
+grow.)"""
 import pytest
 
 import kstep
