@@ -64,6 +64,28 @@ def test_a_second_prefill_waits_for_a_step_with_room(llm):
     assert len(steps) >= 2 * -(-100 // CHUNK) + 3  # so the second's chunks came after the first's
 
 
+def test_the_chunk_can_be_smaller_than_the_step_budget(llm, capsys):
+    """long_prefill_token_threshold (vLLM's name, `--long-prefill-token-threshold`): chunks of CHUNK
+    tokens under a step budget of 4 x CHUNK, so two long prompts prefill side by side, a chunk each
+    a step, where one budget for both made the second wait."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, llm.cfg.vocab_size, (100,), generator=g).tolist() for _ in range(2)]
+    requests = [_request(llm, p, 4) for p in prompts]
+    engine = lambda: Engine(llm, max_num_batched_tokens=4 * CHUNK, long_prefill_token_threshold=CHUNK)  # noqa: E731
+    steps = _run(engine(), requests)
+    assert max(s.num_tokens for s in steps) == 2 * CHUNK  # both prompts' first chunks in one step
+    assert len(steps) == -(-100 // CHUNK) + 3  # their 2 chunks side by side, then 3 decode steps
+    for request in requests:  # each as alone under the same settings
+        again = _request(llm, request.prompts[0], request.params.max_tokens)
+        _run(engine(), [again])
+        assert again.output_ids == request.output_ids
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        Engine(llm, long_prefill_token_threshold=0)
+    from kstep.cli import main
+    assert main(["serve", "--long-prefill-token-threshold", "0"]) == 2
+    assert "--long-prefill-token-threshold 0 must be > 0" in capsys.readouterr().err
+
+
 def test_diffusion_requests_join_while_their_canvases_fit_the_step(tmp_path):
     llada = kstep.load(write_random_checkpoint(tmp_path, family="llada", seed=2))
     prompts = [[4 + i, 9, 11 + i] for i in range(5)]  # canvases of 3 + 12 tokens

@@ -1,7 +1,8 @@
 """`kstep bench long-prompt`: a long prompt joining running streams (issue 45's chunked prefill). S
 streaming requests run; once each has its first token, one request with an N-token prompt joins. Per
 server setting of `--max-num-batched-tokens` (a chunk; 0: none, the whole prompt in one step, as
-before chunking): the streams' gaps between chunks (median, p99, longest) and the long request's time
+before chunking; with --step-tokens, that is the step budget and each chunk its
+`--long-prefill-token-threshold`): the streams' gaps between chunks (median, p99, longest) and the long request's time
 to its first token. Each setting is its own `kstep serve` of the same checkpoint, one after the
 other, so every figure of a run is measured beside its baseline.
 
@@ -56,16 +57,20 @@ async def _run(url: str, model: str, streams: int, prompt_tokens: int, vocab: in
 
 
 def run_long_prompt(model: str, chunks: list[int], streams: int, prompt_tokens: int, serve_args: list[str],
-                    tail_seconds: float = 3.0, progress=print) -> list[dict]:
+                    tail_seconds: float = 3.0, progress=print, step_tokens: int | None = None) -> list[dict]:
+    """`step_tokens`: the step budget (--max-num-batched-tokens), each chunk then its own
+    --long-prefill-token-threshold; None: each chunk is the step budget."""
     from kstep.bench.server_process import running_server
     from kstep.bundled import resolve_model
     from kstep.weights import read_model_config
     vocab = read_model_config(resolve_model(model)).vocab_size
     rows = []
     for chunk in chunks:
-        args = ["--served-model-name", "bench", "--max-num-batched-tokens", str(chunk or NO_CHUNKS), *serve_args]
-        with running_server(model, *args) as (url, _):
-            row = {"chunk": chunk or "none", "streams": streams, "prompt_tokens": prompt_tokens,
+        budget = ["--max-num-batched-tokens", str(chunk or NO_CHUNKS)] if step_tokens is None else \
+            ["--max-num-batched-tokens", str(step_tokens), "--long-prefill-token-threshold", str(chunk or NO_CHUNKS)]
+        with running_server(model, "--served-model-name", "bench", *budget, *serve_args) as (url, _):
+            row = {"chunk": chunk or "none", "step_tokens": step_tokens or chunk or "none", "streams": streams,
+                   "prompt_tokens": prompt_tokens,
                    **asyncio.run(_run(url, "bench", streams, prompt_tokens, vocab, tail_seconds))}
         progress(json.dumps(row))
         rows.append(row)
@@ -76,6 +81,9 @@ def add_long_prompt(kinds) -> None:
     bench = add_command(kinds, "long-prompt", "running streams' gaps while a long prompt joins, per prefill chunk")
     bench.add_argument("--model", required=True, help="a checkpoint (e.g. a random qwen2.5-0.5b-shape one)")
     bench.add_argument("--chunks", default="256,0", help="--max-num-batched-tokens values to compare (0: none)")
+    bench.add_argument("--step-tokens", type=int, default=None,
+                       help="--max-num-batched-tokens for every run, each chunk then its --long-prefill-token-threshold "
+                            "(default: each chunk is the step budget)")
     bench.add_argument("--streams", type=int, default=8)
     bench.add_argument("--prompt-tokens", type=int, default=4000)
     bench.add_argument("--dtype", default="float32")
@@ -85,11 +93,12 @@ def add_long_prompt(kinds) -> None:
 
 def _main(args) -> int:
     chunks = [int(c) for c in args.chunks.split(",")]
-    if any(c < 0 for c in chunks) or args.streams <= 0 or args.prompt_tokens <= 0:
-        raise ValueError(f"--chunks {args.chunks!r} must be >= 0, --streams and --prompt-tokens positive")
+    if any(c < 0 for c in chunks) or args.streams <= 0 or args.prompt_tokens <= 0 or (args.step_tokens or 1) <= 0:
+        raise ValueError(f"--chunks {args.chunks!r} must be >= 0, --streams, --prompt-tokens and --step-tokens "
+                         "positive")
     rows = run_long_prompt(args.model, chunks, args.streams, args.prompt_tokens,
                            ["--dtype", args.dtype, "--max-batch-size", str(args.streams + 1)],
-                           progress=lambda line: print(line, flush=True))
+                           progress=lambda line: print(line, flush=True), step_tokens=args.step_tokens)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

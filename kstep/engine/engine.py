@@ -31,24 +31,24 @@ WAIT = object()  # a request whose KV pages are not free yet: back to the head o
 class Engine:
     def __init__(self, llm: ServedModel, max_batch_size: int = 16, max_queue: int = 256, prefix_cache_bytes: int = 0,
                  limits: RequestLimits = RequestLimits(), max_num_batched_tokens: int | None = None,
-                 offline: bool = False):
-        if max_num_batched_tokens is not None and max_num_batched_tokens <= 0:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be > 0")
+                 offline: bool = False, long_prefill_token_threshold: int | None = None):
+        if any(v is not None and v <= 0 for v in (max_num_batched_tokens, long_prefill_token_threshold)):
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and long_prefill_token_threshold "
+                             f"({long_prefill_token_threshold}) must be > 0")
         self.llm, self.limits = llm, limits
-        # A server's engine seeds every request (a preempted one draws the same again) and keeps each
-        # row's text. LLM.generate's (`offline`: one request alone, engine/offline.py) draws from torch's
-        # generator when unseeded, as callers of a seeded torch expect, and its caller reads the token
-        # ids and the per-pass timings the engine then records.
+        # A server's engine seeds every request (a preempted one draws the same again) and keeps each row's
+        # text. LLM.generate's (`offline`, engine/offline.py) draws from torch's generator when unseeded, as
+        # callers of a seeded torch expect; its caller reads the token ids and the per-pass timings.
         self.offline = offline
         self.max_num_batched_tokens = max_num_batched_tokens  # a step's tokens: prefills go in chunks under it
+        # a prompt's chunk (vLLM's long_prefill_token_threshold): at most the step's budget, less if given
+        self.prefill_chunk = min(filter(None, (max_num_batched_tokens, long_prefill_token_threshold)), default=None)
         self.scheduler = Scheduler(max_batch_size, max_queue)
         # AR and block-diffusion prompts share keys (causal across blocks); a canvas diffusion model's do not.
         # A cached block must hold whole model blocks (a block's keys depend on all of it).
-        shares_prefixes = llm.kind != DIFFUSION
-        model_block = llm.cfg.block_size or 1
-        cache_block = -(-16 // model_block) * model_block
-        self.prefix_cache = llm.runner.make_prefix_cache(prefix_cache_bytes, cache_block) \
-            if prefix_cache_bytes > 0 and shares_prefixes else None
+        block = llm.cfg.block_size or 1
+        self.prefix_cache = llm.runner.make_prefix_cache(prefix_cache_bytes, -(-16 // block) * block) \
+            if prefix_cache_bytes > 0 and llm.kind != DIFFUSION else None
         self.streams: dict[str, list[TextStream]] = {}
         self._refused_at: int | None = None  # scheduler.departed when the queue's head last could not join
         self.preemptions = 0  # requests preempted so far (their KV pages taken back to let another grow)
@@ -253,7 +253,7 @@ class Engine:
         decoder = self.llm.make_decoder(request.rows, request.params, self.prefix_cache, request.include_canvas,
                                         request.per_row(request.first_tokens), request.per_row(request.suffixes) or None,
                                         request.grammar)
-        decoder.prefill_chunk = self.max_num_batched_tokens
+        decoder.prefill_chunk = self.prefill_chunk
         if request.preemptions:  # it resumes: every page it may need now, so it is not preempted again
             decoder.reserve()
         return decoder

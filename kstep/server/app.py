@@ -54,6 +54,7 @@ class ServeConfig:
     api_key: str | None = None
     max_batch_size: int = 16
     max_num_batched_tokens: int | None = 2048  # a step's tokens: admission, and longer prefills in chunks (Engine)
+    long_prefill_token_threshold: int | None = None  # a prompt's chunk, when smaller than the step's budget
     max_queue: int = 256
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256           # chat requests without max_tokens (completions: 16, as OpenAI)
@@ -76,7 +77,7 @@ def rank_check(llm: LLM) -> Callable[[], None] | None:
 
 def _route(m: ServedModel, config: ServeConfig, metrics: Metrics) -> ModelRoute:
     engine = Engine(m.llm, config.max_batch_size, config.max_queue, config.prefix_cache_bytes, config.limits(m.llm),
-                    config.max_num_batched_tokens)
+                    config.max_num_batched_tokens, long_prefill_token_threshold=config.long_prefill_token_threshold)
     model_metrics = metrics.for_model(m.name)
     model_metrics.watch(engine.scheduler)
     model_metrics.watch_pools(m.llm, engine.prefix_cache)

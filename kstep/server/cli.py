@@ -26,6 +26,9 @@ def add_serve(sub) -> None:
                             "(a diffusion canvas counts whole), and a longer AR prompt is prefilled in chunks of N, "
                             "one a step, adding at most one chunk's time to the other streams' steps; default 2048 "
                             "(on a CPU, 256 keeps streams smooth)")
+    serve.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
+                       help="a prompt's chunk: at most N of its tokens a step (default: --max-num-batched-tokens), "
+                            "so a step budget larger than the chunk runs more streams beside a long prompt")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="chat max_tokens when not given")
@@ -72,6 +75,8 @@ def run_serve(args: argparse.Namespace) -> int:
     for name in ("port", "max_batch_size", "max_num_batched_tokens", "max_queue", "max_body_bytes", "default_max_tokens"):
         if getattr(args, name) <= 0 or (name == "port" and args.port > 65535):
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
+    if args.long_prefill_token_threshold is not None and args.long_prefill_token_threshold <= 0:
+        raise ValueError(f"--long-prefill-token-threshold {args.long_prefill_token_threshold} must be > 0")
     for name in ("graceful_timeout", "max_request_passes", "max_request_seconds"):
         value = getattr(args, name)
         if value is not None and not 0 <= value < float("inf"):
@@ -97,7 +102,8 @@ def run_serve(args: argparse.Namespace) -> int:
     options = LoadOptions(args.device, args.dtype, args.threads, args.draft, args.quantize, shared,
                           args.tensor_parallel_size, backend, args.kv_cache_memory, args.memory_utilization)
     config = ServeConfig(api_key=args.api_key, max_batch_size=args.max_batch_size,
-                         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         long_prefill_token_threshold=args.long_prefill_token_threshold, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          prefix_cache_bytes=args.prefix_cache_mib << 20, max_request_passes=args.max_request_passes,
                          max_request_seconds=args.max_request_seconds)
