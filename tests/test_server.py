@@ -290,7 +290,7 @@ def test_sigterm_with_a_drain_time_finishes_in_flight_requests(llada_path):
             threading.Event().wait(0.05)
         proc.send_signal(signal.SIGTERM)
         worker.join(timeout=120)
-        assert result["response"].status_code == 200
+        assert result["response"].status_code == 200, result["response"].text  # (once a 503 in CI: why, next time)
         assert result["response"].json()["usage"]["completion_tokens"] > 0
         # uvicorn re-raises the signal once it has shut down gracefully: exit by SIGTERM, after the work.
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
