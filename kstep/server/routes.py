@@ -89,8 +89,10 @@ class Routes:
             route.engine.is_closing = True
 
     def num_in_flight(self) -> int:
-        return sum(r.engine.engine.scheduler.num_running + r.engine.engine.scheduler.num_waiting
-                   for r in self.by_name.values())
+        """Requests whose last output has not reached their handler: queued, running, or finished in
+        the step now running (the scheduler lets go of a request before the step's outputs are handed
+        over, so counting its running and waiting ones let a drain end such a request with a 503)."""
+        return sum(len(r.engine.queues) for r in self.by_name.values())
 
     def end_in_flight(self) -> None:
         """Every model's queued and running requests end now, each answered with a 503."""
