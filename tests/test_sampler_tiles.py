@@ -1,5 +1,6 @@
 """The samplers' per-pass work over positions x vocabulary in row tiles (issue 45): the exact draw
-equals torch.multinomial (ids and the generator's state after) on this torch, the tiles cover the
+equals torch.multinomial (ids and the generator's state after) on this torch, the argmax in C equals
+torch's, the tiles cover the
 rows without a single-row tile, and DiffusionGemma's tiled pass, Dream's scores and the Gumbel-max
 sampler give the bits and draws of the whole-tensor work they replaced, at any tile size, end to end
 too."""
@@ -56,6 +57,29 @@ def test_the_exact_draw_without_a_generator_uses_torchs_global_one():
     assert torch.equal(mine, torch.multinomial(probs, 1)[:, 0])
 
 
+@pytest.mark.parametrize("case", ["random", "ties", "filtered", "nan", "signed zeros", "infinities"])
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 1001, 262_144])
+def test_the_argmax_in_c_is_torchs(case, width):
+    """cpu_kernels.argmax_rows (the samplers' argmax in C where the kernels are built): the first
+    largest value's index, the first NaN's where a row has one, as torch.argmax."""
+    x = torch.randn(3, width, generator=torch.Generator().manual_seed(width))
+    if case == "ties":
+        x = x.round()
+    elif case == "filtered":
+        x[:, ::3] = float("-inf")
+        x[0] = float("-inf")
+    elif case == "nan":
+        x[1, width // 2] = float("nan")
+        x[2, -1] = float("nan")
+    elif case == "signed zeros":
+        x[:] = 0.0
+        x[:, ::2] = -0.0
+    elif case == "infinities":
+        x[:, -1] = float("inf")
+        x[0, ::2] = float("inf")
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(-1))
+
+
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 7, 8, 9, 17, 256])
 @pytest.mark.parametrize("per_tile", [1, 2, 4, 8])
 def test_row_tiles_cover_the_rows_without_a_single_row_tile(num_rows, per_tile, monkeypatch):
@@ -90,10 +114,14 @@ def test_a_tiled_pass_is_the_whole_tensor_pass(scale, top_k, top_p, tile_rows, m
     expected = whole_tensor_pass(logits.clone(), temperature_value, scale, top_k, top_p,
                                  torch.Generator().manual_seed(9))
     generator = torch.Generator().manual_seed(9)
-    got = sample_positions(logits.clone(), temperature_value, scale, top_k, top_p,
-                           torch.zeros(1, 9, dtype=torch.long), OutputRules(torch.tensor([0])), generator)
+    embedding = torch.randn(V, 16, generator=torch.Generator().manual_seed(3))
+    *got, soft = sample_positions(logits.clone(), temperature_value, scale, top_k, top_p,
+                                  torch.zeros(1, 9, dtype=torch.long), OutputRules(torch.tensor([0])), generator,
+                                  embed_probs=lambda probs: probs @ embedding)
     for want, have in zip(expected, got, strict=True):
         assert torch.equal(want, have)
+    # the soft embedding from the draw's softmax: what the decoder computed from the processed logits
+    assert torch.equal(soft, torch.softmax(expected[0], dim=-1, dtype=torch.float32) @ embedding)
     reference_state = torch.Generator().manual_seed(9)
     whole_tensor_pass(logits.clone(), temperature_value, scale, top_k, top_p, reference_state)
     assert torch.equal(generator.get_state(), reference_state.get_state())
@@ -104,8 +132,35 @@ def test_diffusion_gemma_in_small_tiles_generates_what_it_does_whole(gemma_path,
     prompts = ["def add(a, b):", "x = ["]
     params = dict(max_tokens=24, temperature=1.0, seed=5, top_k=50)
     whole = [r.token_ids for r in llm.generate(prompts, **params)]
-    monkeypatch.setattr(row_tiles_module, "TILE_BYTES", 2 * llm.cfg.vocab_size * 4)  # 2 rows; soft: 16
+    monkeypatch.setattr(row_tiles_module, "TILE_BYTES", 2 * llm.cfg.vocab_size * 4)  # 2 rows
     assert [r.token_ids for r in llm.generate(prompts, **params)] == whole
+
+
+def test_diffusion_gemmas_signal_from_the_draws_softmax_is_the_soft_embeddings(gemma_path, monkeypatch):
+    """A float32 DiffusionGemma's next-pass signal is made from the sampler's own softmax, a matmul per
+    group of rows (here of 6 rows, many groups a pass): the bits of the soft embedding computed apart,
+    pass by pass, and the same tokens."""
+    from kstep.decoding.uniform_diffusion import UniformDiffusionDecoder
+    from kstep.runner.model_runner import ModelRunner
+    llm = kstep.load(gemma_path)
+    assert llm.runner.probs_embedder() is not None  # float32: the shared path runs
+    monkeypatch.setattr(row_tiles_module, "MATMUL_TILE_BYTES", 6 * llm.cfg.vocab_size * 4)
+    signals, denoise = [], UniformDiffusionDecoder._denoise
+
+    def recorded(self, logits):
+        denoise(self, logits)
+        signals.append(self.soft)
+    monkeypatch.setattr(UniformDiffusionDecoder, "_denoise", recorded)
+    prompts, params = ["def add(a, b):", "x = ["], dict(max_tokens=24, temperature=1.0, seed=3)
+    shared, shared_signals = [r.token_ids for r in llm.generate(prompts, **params)], signals[:]
+    signals.clear()
+    monkeypatch.setattr(ModelRunner, "probs_embedder", lambda self: None)
+    assert [r.token_ids for r in llm.generate(prompts, **params)] == shared
+    assert sum(signal is not None for signal in signals) > 2
+    assert len(signals) == len(shared_signals)
+    for apart, from_the_draw in zip(signals, shared_signals, strict=True):
+        assert (apart is None) == (from_the_draw is None)
+        assert apart is None or torch.equal(apart, from_the_draw)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, None, None), (1.0, None, None), (0.7, 5, None),

@@ -3,11 +3,14 @@ functions over a canvas batch (B, L): the linear temperature schedule, per-posit
 entropy-bound acceptance rule (EntropyBoundSampler, arXiv:2505.24857) and the stable-and-confident
 stopping rule. The decoder (uniform_diffusion.py) strings them together in transformers' order.
 """
+from collections.abc import Callable
+
 import torch
 
 from kstep.decoding.exact_draw import draw_one
 from kstep.decoding.row_tiles import row_tiles
 from kstep.decoding.sampling import OutputRules, constrain_outputs, filter_logits
+from kstep.layers import cpu_kernels
 
 
 def temperature(t_min: float, t_max: float, steps_left: int, max_steps: int, device: torch.device) -> torch.Tensor:
@@ -46,8 +49,9 @@ def is_stable(history: torch.Tensor, argmax: torch.Tensor) -> tuple[torch.Tensor
 @torch.inference_mode()  # it writes over the pass's logits, an inference tensor, whoever calls it
 def sample_positions(logits: torch.Tensor, temperature_value: torch.Tensor, scale: float, top_k: int | None,
                      top_p: float | None, output_index: torch.Tensor, rules: OutputRules,
-                     generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
-    """(B, L, V) float32 logits -> (processed (B, L, V), sampled, argmax, entropies (B, L)): transformers'
+                     generator: torch.Generator | None,
+                     embed_probs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+    """(B, L, V) float32 logits -> (processed (B, L, V), sampled, argmax, entropies (B, L), soft): transformers'
     per-pass work over every position's distribution, in row tiles (row_tiles.py) whatever the
     vocabulary and canvas. The processed logits every rule reads, in transformers' order: kstep's
     output rules (min_tokens, token healing's first token), then the request's filters (`scale` 0:
@@ -55,7 +59,11 @@ def sample_positions(logits: torch.Tensor, temperature_value: torch.Tensor, scal
     to its generate), then the schedule's temperature (times `scale` unless it is 1); written over
     `logits` (a pass's logits are its decoder's). Then a multinomial draw from their softmax
     (exact_draw.py), their argmax and entropy. The tiles draw in row order, so the draws and the
-    generator's state are those of whole-tensor work."""
+    generator's state are those of whole-tensor work.
+
+    `embed_probs` ((n, V) float32 probabilities -> (n, D)): the self-conditioning signal made from the
+    draw's own softmax (the soft embedding's, where the model is float32), a matmul per group of
+    MATMUL_TILE_BYTES rows, so no second softmax runs over the canvas; `soft` is (B, L, D), else None."""
     logits = constrain_outputs(logits, output_index, rules)
     if scale == 0:
         top_k, top_p = 1, None
@@ -65,12 +73,31 @@ def sample_positions(logits: torch.Tensor, temperature_value: torch.Tensor, scal
     sampled = torch.empty(processed.shape[0], dtype=torch.long, device=logits.device)
     argmax, entropies = torch.empty_like(sampled), torch.empty(processed.shape[0], dtype=logits.dtype,
                                                               device=logits.device)
-    for rows in row_tiles(processed.shape[0], V, processed.element_size()):
-        tile = processed[rows]  # a view: the processed logits are written in place
-        source = filter_logits(tile, top_k, top_p) if top_k is not None or top_p is not None else tile
-        torch.div(source, divisor, out=tile)
-        sampled[rows] = draw_one(torch.softmax(tile, dim=-1, dtype=torch.float32), generator)
-        argmax[rows] = tile.argmax(-1)
-        entropies[rows] = entropy(tile)
+    softs, N = [], processed.shape[0]
+    groups = row_tiles(N, V, processed.element_size(), for_matmul=True) if embed_probs else [slice(0, N)]
+    # one buffer for every group: fresh memory costs its page faults (64 MiB: about 30 ms on a CPU)
+    buffer = torch.empty(max(g.stop - g.start for g in groups), V, device=logits.device) if embed_probs else None
+    for group in groups:
+        group_probs = None if buffer is None else buffer[:group.stop - group.start]
+        for rows in row_tiles(group.stop - group.start, V, processed.element_size()):
+            tile, at = processed[group][rows], slice(group.start + rows.start, group.start + rows.stop)
+            source = filter_logits(tile, top_k, top_p) if top_k is not None or top_p is not None else tile
+            torch.div(source, divisor, out=tile)  # a view: the processed logits are written in place
+            probs = _softmax(tile, None if group_probs is None else group_probs[rows])
+            sampled[at] = draw_one(probs, generator)
+            argmax[at] = cpu_kernels.argmax_rows(tile)
+            entropies[at] = entropy(tile)
+        if group_probs is not None:
+            softs.append(embed_probs(group_probs))
     lead = logits.shape[:-1]
-    return processed.view(logits.shape), sampled.view(lead), argmax.view(lead), entropies.view(lead)
+    soft = torch.cat(softs).view(*lead, -1) if softs else None
+    return processed.view(logits.shape), sampled.view(lead), argmax.view(lead), entropies.view(lead), soft
+
+
+def _softmax(tile: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """torch.softmax(tile, -1, dtype=torch.float32), into `out` where given (torch's kernel, without a copy)."""
+    if out is None:
+        return torch.softmax(tile, dim=-1, dtype=torch.float32)
+    if tile.dtype == torch.float32:
+        return torch.ops.aten._softmax.out(tile, -1, False, out=out)
+    return out.copy_(torch.softmax(tile, dim=-1, dtype=torch.float32))

@@ -11,13 +11,21 @@ from collections.abc import Callable
 
 import torch
 
-TILE_BYTES = 8 << 20  # one tile of the values, e.g. 8 rows of a 262,144-token vocabulary in float32
+# One tile of the values, e.g. 2 rows of a 262,144-token vocabulary in float32: small enough that a
+# tile and the few temporaries a sampler makes of it stay in a CPU's last-level cache (tiles of 8 MiB
+# ran the DiffusionGemma sampler's softmax, logsumexp and subtraction 3-10x slower on a 32 MiB L3).
+TILE_BYTES = 2 << 20
+# A matmul over the values (DiffusionGemma's soft embedding): 64 rows at that vocabulary, since a
+# matmul of a few rows may take another BLAS kernel, which rounds otherwise.
+MATMUL_TILE_BYTES = 64 << 20
 
 
-def row_tiles(num_rows: int, width: int, element_bytes: int = 4, widen: int = 1) -> list[slice]:
+def row_tiles(num_rows: int, width: int, element_bytes: int = 4, for_matmul: bool = False) -> list[slice]:
     """Consecutive slices covering range(num_rows), each of at least 2 rows (unless num_rows is 1) and
-    at most max(2, widen * TILE_BYTES // (width * element_bytes)) + 1."""
-    size = max(2, widen * TILE_BYTES // max(1, width * element_bytes))
+    at most max(2, budget // (width * element_bytes)) + 1, the budget TILE_BYTES (MATMUL_TILE_BYTES
+    `for_matmul`)."""
+    budget = MATMUL_TILE_BYTES if for_matmul else TILE_BYTES
+    size = max(2, budget // max(1, width * element_bytes))
     starts = list(range(0, num_rows, size))
     if len(starts) > 1 and num_rows - starts[-1] == 1:
         starts.pop()  # the lone last row joins the tile before it
@@ -25,12 +33,12 @@ def row_tiles(num_rows: int, width: int, element_bytes: int = 4, widen: int = 1)
 
 
 def tiled(fn: Callable[[torch.Tensor], torch.Tensor | tuple[torch.Tensor, ...]], values: torch.Tensor,
-          widen: int = 1) -> torch.Tensor | tuple[torch.Tensor, ...]:
+          for_matmul: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """`fn` over the rows of values (..., V) in row tiles, in row order (a random draw in `fn` then
     takes the generator's stream as one call over all rows would): its outputs, one tensor or a tuple,
     each (rows, ...) per tile, joined and shaped (..., ...) as values' leading dimensions."""
     flat = values.reshape(-1, values.shape[-1])
-    tiles = row_tiles(flat.shape[0], flat.shape[1], flat.element_size(), widen)
+    tiles = row_tiles(flat.shape[0], flat.shape[1], flat.element_size(), for_matmul)
     if len(tiles) == 1:
         return fn(values)
     parts = [fn(flat[rows]) for rows in tiles]

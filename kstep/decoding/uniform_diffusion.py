@@ -144,9 +144,11 @@ class UniformDiffusionDecoder(Decoder):
         self.row_nfe += ran
         temp = temperature(p.t_min, p.t_max, self.steps_left, p.max_denoising_steps, self.device)
         output_index = self.canvas_idx * self.canvas_length + torch.arange(self.canvas_length, device=self.device)
-        processed, sampled, argmax, entropies = sample_positions(
+        # the next pass's signal from the draw's softmax where it can (not after a canvas's last pass)
+        embed_probs = self.runner.probs_embedder() if self.steps_left > 1 else None
+        processed, sampled, argmax, entropies, soft = sample_positions(
             logits, temp, p.temperature, p.top_k, p.top_p, output_index[None], self.output_rules,
-            self.generator)  # (B, L, V), then (B, L) each
+            self.generator, embed_probs)  # (B, L, V), then (B, L) each, then (B, L, D) or None
         accepted = accept(entropies, p.entropy_bound)  # (B, L)
         canvas = torch.where(accepted, sampled, self._random_tokens())
         if self.grammar is not None:
@@ -160,8 +162,7 @@ class UniformDiffusionDecoder(Decoder):
         if self.steps_left == 0 or bool(self.done.all()):
             self._commit()
         else:
-            # in row tiles 8x as wide as the sampler's: a matmul of a few rows may round otherwise
-            self.soft = tiled(self.runner.soft_embedding, processed, widen=8)
+            self.soft = soft if soft is not None else tiled(self.runner.soft_embedding, processed, for_matmul=True)
 
     def _keep_grammar(self, processed: torch.Tensor, probs: torch.Tensor, accepted: torch.Tensor,
                       free_argmax: torch.Tensor, free_canvas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,6 +110,10 @@ class TensorParallelRunner(ModelRunner):
         return self._mirrored(lambda: Execute(passes=[describe(p) for p in passes], **self._taken()),
                               partial(super().execute, passes))
 
+    def probs_embedder(self):
+        """None: the ranks embed their slices of the probabilities (soft_embedding)."""
+        return None
+
     @torch.inference_mode()
     def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V) processed logits -> (..., D), vocabulary-parallel (module note): the probabilities

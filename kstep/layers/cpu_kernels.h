@@ -38,6 +38,8 @@ void kstep_quantize_i8(const float *w, long rows, long cols, int8_t *codes, floa
 // its get_state() bytes (advanced in place); returns how many of its uniforms were 0 (then replay torch's),
 // -1 for a state it does not recognise
 long kstep_draw(uint8_t *state, const float *probs, long rows, long width, long *out);
+// out[r] = torch.argmax(x, -1)[r] for float32 x (rows, width): the first largest, or the first NaN
+void kstep_argmax_rows(const float *x, long rows, long width, long *out, int threads);
 
 // ---- cpu_decode.c ----
 // One projection y[0:out] = x @ W.T (+ bias): float32 W (out, in), or int8 codes with a float32 scale

@@ -96,7 +96,11 @@ class DiffusionGemma(nn.Module):
 
     def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V) processed logits -> (..., D): the next pass's self-conditioning signal."""
-        return (self.soft_probs(logits) @ self.embed.weight) * self._embed_scale()
+        return self.embed_probs(self.soft_probs(logits))
+
+    def embed_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """(..., V) soft_probs -> (..., D): their embedding, scaled."""
+        return (probs @ self.embed.weight) * self._embed_scale()
 
     def soft_embedding_share(self, probs: torch.Tensor) -> torch.Tensor:
         """Tensor parallel: (..., rows) this rank's vocabulary slice of soft_probs -> (..., D), the

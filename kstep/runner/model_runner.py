@@ -277,6 +277,13 @@ class ModelRunner:
         """DiffusionGemma's self-conditioning signal (..., D) from a pass's processed logits (..., V)."""
         return self.model.soft_embedding(logits)
 
+    def probs_embedder(self):
+        """DiffusionGemma: a function of the sampler's float32 softmax of the processed logits (n, V)
+        -> (n, D) equal to soft_embedding of them, where the model is float32 (its soft_probs are then
+        that softmax); else None."""
+        model = self.model
+        return model.embed_probs if model.embed.weight.dtype == torch.float32 else None
+
 
 def asking(passes: list[ForwardPass], top: TopRequest | None) -> list[ForwardPass]:
     """The passes, each asking for top tokens instead of logits (`top`; None: the logits)."""
