@@ -14,8 +14,10 @@ was drawn), per model and setting, one request at a time, each beside the same r
 Random-weight models (`random:FAMILY`) are the worst case for the grammar (they prefer nothing it
 wants), the bundled ones what small trained models do."""
 import json
+import shutil
 import statistics
 import tempfile
+import weakref
 from decimal import Decimal
 import time
 from pathlib import Path
@@ -40,8 +42,10 @@ def load_sample(limit: int | None = None) -> dict:
 def load_model(name: str, device: str, dtype: str) -> kstep.LLM:
     if name.startswith("random:"):
         family = name.split(":", 1)[1]
-        return kstep.load(write_random_checkpoint(tempfile.mkdtemp(prefix=f"kstep-{family}-"), family=family, seed=5),
-                          device=device, dtype=dtype)
+        directory = tempfile.mkdtemp(prefix=f"kstep-{family}-")
+        llm = kstep.load(write_random_checkpoint(directory, family=family, seed=5), device=device, dtype=dtype)
+        weakref.finalize(llm, shutil.rmtree, directory, ignore_errors=True)  # with the model, or at exit
+        return llm
     return kstep.load(name, device=device, dtype=dtype)
 
 
