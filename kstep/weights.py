@@ -11,6 +11,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from kstep.gguf.reader import GGUFFile
+from kstep.gguf.tensors import GGUFTensors
+from kstep.gguf.view import gguf_source
 from kstep.models import ModelConfig, Transformer
 from kstep.models.parts import Part, parts_of
 from kstep.registry import BLOCK_DIFFUSION, DIFFUSION, FAMILIES, family_for
@@ -85,8 +88,10 @@ def _layout(cfg: ModelConfig):
     return FAMILIES[cfg.family].layout
 
 
-def _tensor_files(path: Path) -> dict[str, Path]:
-    """checkpoint tensor name -> file holding it."""
+def _tensor_files(path: Path, wanted: list[str], gguf_file: GGUFTensors | None) -> dict[str, Path]:
+    """checkpoint tensor name -> file holding it (of a GGUF file: the `wanted` names it holds)."""
+    if gguf_file is not None:
+        return {name: gguf_file.file.path for name in wanted if gguf_file.gguf_name(name) is not None}
     index = path / "model.safetensors.index.json"
     if index.is_file():
         return {name: path / file for name, file in read_json(index)["weight_map"].items()}
@@ -110,7 +115,9 @@ def load_weights(model: Transformer, path: Path, names: dict | None = None, zero
     tensor-parallel rank's slices; default the family's whole map); `zeros`: parameters left as
     they are (zero)."""
     names = parts_of(names if names is not None else _layout(model.cfg).checkpoint_names(model.cfg))
-    files = _tensor_files(path)
+    source = gguf_source(path)  # a GGUF file's view: its metadata parsed once, its tensors read in place
+    gguf_file = GGUFTensors(GGUFFile(source), read_json(path / "config.json")) if source is not None else None
+    files = _tensor_files(path, [part.tensor for parts in names.values() for part in parts], gguf_file)
     params = {name: p for name, p in model.named_parameters() if name not in zeros}
     if set(names) != set(params):
         raise RuntimeError(f"internal: name map and model disagree on {set(names) ^ set(params)}")
@@ -124,6 +131,10 @@ def load_weights(model: Transformer, path: Path, names: dict | None = None, zero
     with torch.no_grad():
         for file, wanted in by_file.items():
             wanted.sort(key=lambda item: item[1].tensor)  # neighbouring tensors sit near each other on disk
+            if gguf_file is not None:  # it lets each tensor's pages go once read (gguf/tensors.py)
+                for ours, part in wanted:
+                    _copy_part(gguf_file, params[ours], part, path)
+                continue
             start = 0
             while start < len(wanted):
                 with safe_open(file, framework="pt") as f:

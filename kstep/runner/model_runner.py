@@ -106,8 +106,7 @@ class ModelRunner:
         return kv
 
     def copy_kv(self, src: KVCache, dst: KVCache, src_rows: list[int], dst_rows: list[int]) -> None:
-        """Copy rows of one KV cache into rows of another (every layer, the slots both have): a block
-        model's self-speculation gives each draft a row holding the prefix's keys."""
+        """Rows of one KV cache into rows of another (every layer, the slots both have): self-speculation's drafts."""
         src.copy_rows(dst, src_rows, dst_rows)
 
     def make_prefix_cache(self, budget_bytes: int, block_size: int) -> PrefixCache:
@@ -267,8 +266,8 @@ class ModelRunner:
         return self.execute([forward_pass])[0].logits
 
     def whole_pass(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits of a plain pass over ids (B, T) at positions (B, T), as `model(ids, positions)` (with
-        a fresh cache for a model whose attention always writes one, as its forward makes: DiffusionGemma)."""
+        """Logits of a plain pass over ids (B, T) at positions (B, T), as `model(ids, positions)` (a fresh cache
+        for a model whose attention always writes one: DiffusionGemma)."""
         kv = self.allocate_kv(*ids.shape) if self.model.always_writes_kv else None
         return self.logits(ForwardPass(ids, positions, None, 0, ids.shape[1], "full", self, kv))
 
@@ -277,12 +276,8 @@ class ModelRunner:
         """DiffusionGemma's self-conditioning signal (..., D) from a pass's processed logits (..., V)."""
         return self.model.soft_embedding(logits)
 
-    def probs_embedder(self):
-        """DiffusionGemma: a function of the sampler's float32 softmax of the processed logits (n, V)
-        -> (n, D) equal to soft_embedding of them, where the model is float32 (its soft_probs are then
-        that softmax); else None."""
-        model = self.model
-        return model.embed_probs if model.embed.weight.dtype == torch.float32 else None
+    def probs_embedder(self):  # DiffusionGemma in float32: soft_embedding from the sampler's softmax (soft_probs)
+        return self.model.embed_probs if self.model.embed.weight.dtype == torch.float32 else None
 
 
 def asking(passes: list[ForwardPass], top: TopRequest | None) -> list[ForwardPass]:

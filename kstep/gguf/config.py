@@ -1,0 +1,57 @@
+"""A GGUF file's metadata as the Hugging Face config.json its converter read (llama.cpp's
+convert_hf_to_gguf.py, TextModel.set_gguf_parameters and each model class): the keys kstep's family
+parsers take. Architectures kstep runs from a GGUF file: ARCHITECTURES; any other is refused by name."""
+from kstep.gguf.reader import GGUFFile
+
+# general.architecture -> the Hugging Face architecture and model_type its converter class takes
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+# llama.cpp's `rope.scaling.type` values kstep's rope takes from a config.json's rope_scaling
+ROPE_SCALING = ("linear", "yarn")
+
+
+def hf_config(file: GGUFFile) -> dict:
+    """config.json for the file's architecture, or a ValueError naming what kstep cannot run."""
+    if file.arch not in ARCHITECTURES:
+        raise ValueError(f"{file.path}: GGUF architecture {file.arch!r} is not one kstep runs "
+                         f"(it runs {', '.join(ARCHITECTURES)} from GGUF files)")
+    if "rope_freqs.weight" in file.tensors:  # Llama 3.1's frequency factors, written as a tensor
+        raise ValueError(f"{file.path}: its rope frequency factors (rope_freqs.weight, Llama 3.1's rope "
+                         "scaling) are not supported from GGUF files; load the safetensors checkpoint")
+    architecture, model_type = ARCHITECTURES[file.arch]
+    tokens = file.get("tokenizer.ggml.tokens") or []
+    heads = file.arch_get("attention.head_count")
+    d_model = file.arch_get("embedding_length")
+    raw = {
+        "architectures": [architecture], "model_type": model_type,
+        "vocab_size": file.arch_get("vocab_size") or len(tokens),
+        "hidden_size": d_model, "intermediate_size": file.arch_get("feed_forward_length"),
+        "num_hidden_layers": file.arch_get("block_count"), "num_attention_heads": heads,
+        "num_key_value_heads": file.arch_get("attention.head_count_kv") or heads,
+        "head_dim": file.arch_get("attention.key_length") or d_model // heads,
+        "max_position_embeddings": file.arch_get("context_length", 2048),
+        "rms_norm_eps": _float32_value(file.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _float32_value(file.arch_get("rope.freq_base", 10000.0)), "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "bos_token_id": file.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": file.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": file.get("tokenizer.ggml.padding_token_id"),
+    }
+    scaling = file.arch_get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling not in ROPE_SCALING:
+            raise ValueError(f"{file.path}: rope scaling {scaling!r} is not supported from GGUF files "
+                             f"(supported: {', '.join(ROPE_SCALING)})")
+        raw["rope_scaling"] = {"rope_type": scaling, "factor": file.arch_get("rope.scaling.factor"),
+                               **({"original_max_position_embeddings": original} if (
+                                   original := file.arch_get("rope.scaling.original_context_length")) else {})}
+    return {k: v for k, v in raw.items() if v is not None}
+
+
+def _float32_value(value: float) -> float:
+    """A float32 metadata value as the decimal the converter wrote (1e-05 is stored as 9.9999997e-06):
+    the shortest decimal that rounds to the same float32."""
+    import numpy as np
+    return float(np.format_float_positional(np.float32(value), unique=True))

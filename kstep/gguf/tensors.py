@@ -1,0 +1,68 @@
+"""A GGUF file's tensors under their Hugging Face names, one at a time: the name through gguf-py's
+own tables (`get_tensor_name_map`), the data as stored for F32 / F16 / BF16 and dequantized by
+gguf-py for the quantized types, and llama.cpp's rope permutation of the query and key rows undone
+for the architectures its converter permutes (LlamaModel.permute: llama, llada)."""
+import numpy as np
+import torch
+import gguf
+
+from kstep.gguf.reader import GGUFFile
+
+PERMUTED = ("llama", "llada")  # llama.cpp's "normal" rope: its converter reorders q / k rows per head
+_ARCHES = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+
+
+class GGUFTensors:
+    """safetensors' `safe_open` handle, for a GGUF file: get_tensor / get_slice by Hugging Face name."""
+
+    def __init__(self, file: GGUFFile, config: dict):
+        self.file, self.config = file, config
+        self.names = gguf.get_tensor_name_map(_ARCHES[file.arch], config["num_hidden_layers"])
+
+    def gguf_name(self, name: str) -> str | None:
+        """The file's tensor for a Hugging Face tensor name, or None where the file has none."""
+        found = self.names.get_name(name, try_suffixes=(".weight", ".bias"))
+        return found if found in self.file.tensors else None
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        stored = self.file.tensors[self.gguf_name(name)]
+        shape = tuple(reversed(stored.shape.tolist()))  # GGML lists the innermost dimension first
+        kind = stored.tensor_type
+        if kind == gguf.GGMLQuantizationType.F32:
+            values = torch.from_numpy(np.array(stored.data).view(np.float32))  # a copy: the map is read-only
+        elif kind == gguf.GGMLQuantizationType.F16:
+            values = torch.from_numpy(np.array(stored.data).view(np.float16))
+        elif kind == gguf.GGMLQuantizationType.BF16:
+            values = torch.from_numpy(np.array(stored.data).view(np.int16)).view(torch.bfloat16)
+        else:
+            try:
+                values = torch.from_numpy(gguf.quants.dequantize(stored.data, kind))
+            except NotImplementedError:
+                raise ValueError(f"{self.file.path}: tensor {stored.name} is {kind.name}, which gguf-py cannot "
+                                 "dequantize") from None
+        values = values.reshape(shape)
+        self.file.reader.release(stored.data)  # copied (or dequantized) above: its pages may go
+        if self.file.arch in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
+                                                         "k_proj.bias")):
+            values = _unpermute(values, self._heads(name))
+        return values
+
+    def get_slice(self, name: str) -> torch.Tensor:
+        """The whole tensor, which a caller indexes (a tensor-parallel rank's share)."""
+        return self.get_tensor(name)
+
+    def _heads(self, name: str) -> int:
+        heads = self.config["num_attention_heads"]
+        return self.config.get("num_key_value_heads", heads) if "k_proj" in name else heads
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _unpermute(values: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of llama.cpp's LlamaModel.permute: within each head, rows (2, half) back from (half, 2)."""
+    rows = values.shape[0]
+    return values.reshape(heads, rows // heads // 2, 2, *values.shape[1:]).transpose(1, 2).reshape(values.shape)

@@ -1,0 +1,78 @@
+"""A GGUF file as a checkpoint directory: its config.json, tokenizer.json, tokenizer_config.json and
+generation_config.json written from its metadata into kstep's cache (a few MB at most, once per
+file version), with `gguf_file.json` naming the file, whose tensors are read in place (weights.py)."""
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from kstep.gguf.config import hf_config
+from kstep.gguf.reader import GGUFFile
+from kstep.gguf.vocab import tokenizer_files
+
+MARKER = "gguf_file.json"
+VERSION = 1  # of the files written here: a new version is a new directory
+
+
+def cache_root() -> Path:
+    base = os.environ.get("KSTEP_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kstep")
+    return Path(base) / "gguf"
+
+
+def gguf_in(path: Path) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the one .gguf file of a directory with no
+    config.json; None for anything else."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise ValueError(f"{path} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}): "
+                             "name one")
+        return found[0] if found else None
+    return None
+
+
+def gguf_view(path: Path) -> Path:
+    """The checkpoint directory of the GGUF file at `path`, written on first use."""
+    path = path.resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{VERSION}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    view = cache_root() / f"{path.stem}-{key}"
+    if (view / MARKER).is_file():
+        return view
+    file = GGUFFile(path)
+    config = hf_config(file)
+    tokenizer, tokenizer_config = tokenizer_files(file)
+    files = {"config.json": config, "tokenizer.json": tokenizer, "tokenizer_config.json": tokenizer_config,
+             "generation_config.json": {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                                        if k in config},
+             MARKER: {"file": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}}
+    view.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=view.parent, prefix=".staging-"))
+    try:
+        for name, content in files.items():
+            (staging / name).write_text(json.dumps(content, ensure_ascii=False))
+        try:
+            staging.rename(view)  # whole, for a process starting alongside
+        except OSError:
+            if not (view / MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return view
+
+
+def gguf_source(view: Path) -> Path | None:
+    """The GGUF file a view directory reads its tensors from (None: not a view)."""
+    marker = view / MARKER
+    if not marker.is_file():
+        return None
+    recorded = json.loads(marker.read_text())
+    source = Path(recorded["file"])
+    if not source.is_file():
+        raise FileNotFoundError(f"{view}: its GGUF file {source} is gone")
+    return source

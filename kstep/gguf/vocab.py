@@ -1,0 +1,70 @@
+"""A GGUF file's tokenizer (tokenizer.ggml.*) as the tokenizer.json and tokenizer_config.json the
+`tokenizers` library and kstep read: a byte-level BPE ("gpt2") with its tokens, merges and special
+tokens, and the pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`, written as the Hugging Face
+tokenizer it was converted from writes it (llama.cpp's src/llama-vocab.cpp has the same regexes)."""
+from kstep.gguf.reader import GGUFFile
+
+CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (gguf.TokenType)
+
+_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+_SPLIT_THEN_BYTES = lambda pattern: {"type": "Sequence", "pretokenizers": [  # noqa: E731
+    {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+    {**_BYTE_LEVEL, "use_regex": False}]}
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+           r"\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {
+    "gpt-2": _BYTE_LEVEL,
+    "qwen2": _SPLIT_THEN_BYTES(_LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")),
+    "llama-bpe": _SPLIT_THEN_BYTES(_LLAMA3),
+    "llama3": _SPLIT_THEN_BYTES(_LLAMA3),
+    "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
+}
+IGNORES_MERGES = ("llama-bpe", "llama3")  # llama.cpp's LLAMA3 type: a whole word in the vocabulary is one token
+
+
+def tokenizer_files(file: GGUFFile) -> tuple[dict, dict]:
+    """(tokenizer.json, tokenizer_config.json), or a ValueError naming what kstep cannot read."""
+    model, pre = file.get("tokenizer.ggml.model"), file.get("tokenizer.ggml.pre", "gpt-2")
+    if model != "gpt2":
+        raise ValueError(f"{file.path}: tokenizer model {model!r} is not supported from GGUF files (kstep reads "
+                         "byte-level BPE, tokenizer.ggml.model 'gpt2')")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"{file.path}: pre-tokenizer {pre!r} is not supported from GGUF files "
+                         f"(supported: {', '.join(PRE_TOKENIZERS)})")
+    tokens = file.get("tokenizer.ggml.tokens")
+    types = file.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = file.get("tokenizer.ggml.merges") or []
+    added = [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": kind != CONTROL, "special": kind == CONTROL}
+             for i, (token, kind) in enumerate(zip(tokens, types, strict=True)) if kind in (CONTROL, USER_DEFINED)]
+    bos = file.get("tokenizer.ggml.bos_token_id")
+    add_bos = bool(file.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": PRE_TOKENIZERS[pre],
+        "post_processor": _bos_template(tokens[bos], bos) if add_bos else None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": pre in IGNORES_MERGES, "vocab": {t: i for i, t in enumerate(tokens)},
+                  "merges": [m.split(" ", 1) for m in merges]},
+    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"),
+                      ("unk_token", "unknown"), ("mask_token", "mask")):
+        token_id = file.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            config[name] = tokens[token_id]
+    template = file.get("tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    return tokenizer, config
+
+
+def _bos_template(bos: str, bos_id: int) -> dict:
+    """A post-processor that puts the bos token first, as tokenizers whose add_bos_token is set do."""
+    return {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}

