@@ -36,8 +36,9 @@ def hub_snapshot(model_id: str) -> Path:
     try:
         return _checked(model_id, snapshot_download(repo, revision=revision or None, allow_patterns=FILES))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
+        why = str(e).splitlines()[0] if str(e) else ""
         raise FileNotFoundError(f"model {model_id!r} is neither in the Hugging Face cache nor downloadable "
-                                f"from the hub: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+                                f"from the hub: {type(e).__name__}: {why}") from None
 
 
 def _checked(model_id: str, folder: str) -> Path:

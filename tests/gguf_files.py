@@ -18,31 +18,45 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def hparams(config: dict) -> dict:
+    """The converter's view of a config.json: LLaDA's own keys (LLaDAModel) or the Hugging Face ones."""
+    if "d_model" in config:
+        heads = config["n_heads"]
+        return dict(context=config.get("max_sequence_length", 4096), d_model=config["d_model"],
+                    layers=config["n_layers"], ffn=config["mlp_hidden_size"], heads=heads,
+                    kv_heads=config.get("n_kv_heads") or heads, head_dim=None)
+    heads = config["num_attention_heads"]
+    return dict(context=config.get("max_position_embeddings", 2048), d_model=config["hidden_size"],
+                layers=config["num_hidden_layers"], ffn=config["intermediate_size"], heads=heads,
+                kv_heads=config.get("num_key_value_heads") or heads, head_dim=config.get("head_dim"))
+
+
 def write_gguf(checkpoint: Path, out: Path, arch: str, kind=gguf.GGMLQuantizationType.F32, pre: str = "gpt-2") -> Path:
     config = json.loads((checkpoint / "config.json").read_text())
     tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
     tokenizer_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    h = hparams(config)
+    heads, kv_heads = h["heads"], h["kv_heads"]
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name(checkpoint.name)
-    writer.add_context_length(config.get("max_position_embeddings", 2048))
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_context_length(h["context"])
+    writer.add_embedding_length(h["d_model"])
+    writer.add_block_count(h["layers"])
+    writer.add_feed_forward_length(h["ffn"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
-    if config.get("head_dim"):
-        writer.add_key_length(config["head_dim"])
-        writer.add_value_length(config["head_dim"])
-    if arch == "llama":
+    if h["head_dim"]:
+        writer.add_key_length(h["head_dim"])
+        writer.add_value_length(h["head_dim"])
+    if arch in ("llama", "llada"):
         writer.add_vocab_size(config["vocab_size"])
-        writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if kind == gguf.GGMLQuantizationType.F32 else
-                         gguf.LlamaFileType.MOSTLY_F16 if kind == gguf.GGMLQuantizationType.F16 else
-                         gguf.LlamaFileType.MOSTLY_BF16 if kind == gguf.GGMLQuantizationType.BF16 else
-                         gguf.LlamaFileType.MOSTLY_Q8_0)
+        writer.add_rope_dimension_count(h["head_dim"] or h["d_model"] // heads)
+    if arch in ("llada", "dream"):  # bidirectional; LLaDA's logits are not shifted, Dream's are (no key: true)
+        writer.add_causal_attention(False)
+        if arch == "llada":
+            writer.add_diffusion_shift_logits(False)
     # the vocabulary as _set_vocab_gpt2 writes it: ids in order, added special tokens as CONTROL
     vocab, special = tokenizer["model"]["vocab"], {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
     tokens = sorted(vocab, key=vocab.get)
@@ -57,11 +71,13 @@ def write_gguf(checkpoint: Path, out: Path, arch: str, kind=gguf.GGMLQuantizatio
                       ("pad_token", writer.add_pad_token_id), ("mask_token", writer.add_mask_token_id)):
         if tokenizer_config.get(name) in ids:
             add(ids[tokenizer_config[name]])
+        elif name == "mask_token" and config.get("mask_token_id") is not None:  # SpecialVocab reads config.json too
+            add(config["mask_token_id"])
     writer.add_add_bos_token(False)
     if tokenizer_config.get("chat_template"):
         writer.add_chat_template(tokenizer_config["chat_template"])
     arches = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}
-    names = gguf.get_tensor_name_map(arches[arch], config["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(arches[arch], h["layers"])
     for name, tensor in load_file(checkpoint / "model.safetensors").items():
         data = tensor.to(torch.float32).numpy()
         if arch in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -40,10 +40,17 @@ def test_a_llama_gguf_generates_the_safetensors_tokens(kind, tmp_path):
     assert [greedy(llm, [p])[0] for p in PROMPTS] == want
 
 
-def test_a_qwen2_gguf_with_biases_generates_the_safetensors_tokens(tmp_path):
-    source = write_random_checkpoint(tmp_path / "qwen2", family="qwen2", seed=5)
-    path = write_gguf(source, tmp_path / "qwen2.gguf", "qwen2")
-    assert greedy(kstep.load(path), max_tokens=12) == greedy(kstep.load(source), max_tokens=12)
+@pytest.mark.parametrize("family,arch", [("qwen2", "qwen2"), ("llada", "llada"), ("dream", "dream")])
+def test_every_architecture_generates_the_safetensors_tokens(family, arch, tmp_path):
+    """Random checkpoints: Qwen2 (q/k/v biases), LLaDA (its own config keys and tensor names, permuted
+    q / k, an embedding padded past the vocabulary), Dream (bidirectional Qwen2, shifted logits):
+    the same greedy tokens by diffusion or AR, batch and alone."""
+    source = write_random_checkpoint(tmp_path / family, family=family, seed=5)
+    path = write_gguf(source, tmp_path / f"{family}.gguf", arch)
+    want, llm = greedy(kstep.load(source), max_tokens=12), kstep.load(path)
+    assert llm.cfg.family == kstep.load(source).cfg.family
+    assert greedy(llm, max_tokens=12) == want
+    assert [greedy(llm, [p], max_tokens=12)[0] for p in PROMPTS] == want
 
 
 def test_the_gguf_tokenizer_encodes_and_decodes_as_the_checkpoints(tmp_path):
@@ -79,7 +86,8 @@ def test_an_architecture_kstep_does_not_run_is_refused_by_name(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"architecture 'gpt2' is not one kstep runs \(it runs llama, qwen2"):
+    refused = r"architecture 'gpt2' is not one kstep runs \(it runs llama, qwen2, dream, llada"
+    with pytest.raises(ValueError, match=refused):
         kstep.load(tmp_path / "m.gguf")
 
 

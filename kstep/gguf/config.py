@@ -3,10 +3,12 @@ convert_hf_to_gguf.py, TextModel.set_gguf_parameters and each model class): the 
 parsers take. Architectures kstep runs from a GGUF file: ARCHITECTURES; any other is refused by name."""
 from kstep.gguf.reader import GGUFFile
 
-# general.architecture -> the Hugging Face architecture and model_type its converter class takes
+# general.architecture -> the Hugging Face architecture and model_type its converter class read
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "dream": ("DreamModel", "Dream"),
+    "llada": ("LLaDAModelLM", "llada"),
 }
 # llama.cpp's `rope.scaling.type` values kstep's rope takes from a config.json's rope_scaling
 ROPE_SCALING = ("linear", "yarn")
@@ -21,24 +23,30 @@ def hf_config(file: GGUFFile) -> dict:
         raise ValueError(f"{file.path}: its rope frequency factors (rope_freqs.weight, Llama 3.1's rope "
                          "scaling) are not supported from GGUF files; load the safetensors checkpoint")
     architecture, model_type = ARCHITECTURES[file.arch]
-    tokens = file.get("tokenizer.ggml.tokens") or []
-    heads = file.arch_get("attention.head_count")
-    d_model = file.arch_get("embedding_length")
-    raw = {
-        "architectures": [architecture], "model_type": model_type,
-        "vocab_size": file.arch_get("vocab_size") or len(tokens),
-        "hidden_size": d_model, "intermediate_size": file.arch_get("feed_forward_length"),
-        "num_hidden_layers": file.arch_get("block_count"), "num_attention_heads": heads,
-        "num_key_value_heads": file.arch_get("attention.head_count_kv") or heads,
-        "head_dim": file.arch_get("attention.key_length") or d_model // heads,
-        "max_position_embeddings": file.arch_get("context_length", 2048),
-        "rms_norm_eps": _float32_value(file.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": _float32_value(file.arch_get("rope.freq_base", 10000.0)), "hidden_act": "silu",
-        "tie_word_embeddings": "output.weight" not in file.tensors,
-        "bos_token_id": file.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": file.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": file.get("tokenizer.ggml.padding_token_id"),
-    }
+    heads, d_model = file.arch_get("attention.head_count"), file.arch_get("embedding_length")
+    rows = int(file.tensors["token_embd.weight"].shape[-1])  # the embedding's rows (GGML lists them last)
+    vocab = file.arch_get("vocab_size") or len(file.get("tokenizer.ggml.tokens") or []) or rows
+    shape = {"vocab_size": vocab if file.arch == "llada" else rows,  # Hugging Face's vocab_size: the rows
+             "rms_norm_eps": _float32_value(file.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
+             "rope_theta": _float32_value(file.arch_get("rope.freq_base", 10000.0)),
+             "bos_token_id": file.get("tokenizer.ggml.bos_token_id"),
+             "eos_token_id": file.get("tokenizer.ggml.eos_token_id"),
+             "pad_token_id": file.get("tokenizer.ggml.padding_token_id"),
+             "mask_token_id": file.get("tokenizer.ggml.mask_token_id")}
+    tied = "output.weight" not in file.tensors
+    if file.arch == "llada":  # LLaDA's own config.json keys (LLaDAModel in the converter)
+        raw = {"d_model": d_model, "n_heads": heads, "n_kv_heads": file.arch_get("attention.head_count_kv") or heads,
+               "n_layers": file.arch_get("block_count"), "mlp_hidden_size": file.arch_get("feed_forward_length"),
+               "max_sequence_length": file.arch_get("context_length", 4096), "weight_tying": tied,
+               "embedding_size": rows}
+    else:
+        raw = {"hidden_size": d_model, "intermediate_size": file.arch_get("feed_forward_length"),
+               "num_hidden_layers": file.arch_get("block_count"), "num_attention_heads": heads,
+               "num_key_value_heads": file.arch_get("attention.head_count_kv") or heads,
+               "head_dim": file.arch_get("attention.key_length") or d_model // heads,
+               "max_position_embeddings": file.arch_get("context_length", 2048), "hidden_act": "silu",
+               "tie_word_embeddings": tied}
+    raw = {"architectures": [architecture], "model_type": model_type, **shape, **raw}
     scaling = file.arch_get("rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling not in ROPE_SCALING:

@@ -17,7 +17,8 @@ class GGUFTensors:
 
     def __init__(self, file: GGUFFile, config: dict):
         self.file, self.config = file, config
-        self.names = gguf.get_tensor_name_map(_ARCHES[file.arch], config["num_hidden_layers"])
+        layers = config.get("num_hidden_layers") or config["n_layers"]  # LLaDA's config names it n_layers
+        self.names = gguf.get_tensor_name_map(_ARCHES[file.arch], layers)
 
     def gguf_name(self, name: str) -> str | None:
         """The file's tensor for a Hugging Face tensor name, or None where the file has none."""
@@ -52,8 +53,9 @@ class GGUFTensors:
         return self.get_tensor(name)
 
     def _heads(self, name: str) -> int:
-        heads = self.config["num_attention_heads"]
-        return self.config.get("num_key_value_heads", heads) if "k_proj" in name else heads
+        heads = self.config.get("num_attention_heads") or self.config["n_heads"]
+        kv_heads = self.config.get("num_key_value_heads") or self.config.get("n_kv_heads") or heads
+        return kv_heads if "k_proj" in name else heads
 
     def __enter__(self):
         return self

@@ -13,7 +13,8 @@ from kstep.gguf.reader import GGUFFile
 from kstep.gguf.vocab import tokenizer_files
 
 MARKER = "gguf_file.json"
-VERSION = 1  # of the files written here: a new version is a new directory
+# The code that writes a view: another version of it (a kstep upgrade) writes a new directory.
+WRITERS = tuple(Path(__file__).with_name(name) for name in ("view.py", "config.py", "vocab.py"))
 
 
 def cache_root() -> Path:
@@ -40,7 +41,8 @@ def gguf_view(path: Path) -> Path:
     """The checkpoint directory of the GGUF file at `path`, written on first use."""
     path = path.resolve()
     stat = path.stat()
-    key = hashlib.sha256(f"{VERSION}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    code = b"".join(writer.read_bytes() for writer in WRITERS)
+    key = hashlib.sha256(code + f"\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     view = cache_root() / f"{path.stem}-{key}"
     if (view / MARKER).is_file():
         return view
