@@ -4,6 +4,7 @@ from pathlib import Path
 
 import torch
 
+from kstep.gguf.view import default_quantization
 from kstep.layers.linear import pack_fused_weights
 from kstep.layers.quantized import quantize_model
 from kstep.runner.model_runner import ModelRunner
@@ -19,6 +20,7 @@ def load_runner(path: Path, device: torch.device, dtype: torch.dtype, quantize: 
     if backend not in BACKENDS:
         raise ValueError(f"distributed_executor_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if tensor_parallel_size == 1:
+        quantize = quantize or default_quantization(path)  # a quantized GGUF file's, unless asked otherwise
         model = load_model(path, device, dtype)
         if quantize is not None:
             quantize_model(model, quantize)

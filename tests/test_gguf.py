@@ -78,6 +78,22 @@ def test_quantized_tensors_load_as_gguf_py_dequantizes_them(kind, tmp_path):
     assert all(len(ids) == 20 for ids in greedy(llm))
 
 
+@pytest.mark.parametrize("kind,mode", [(Q.Q8_0, "int8"), (Q.Q4_1, "int4"), (Q.F16, None)])
+def test_a_quantized_file_runs_as_the_nearest_kstep_type_unless_asked(kind, mode, tmp_path, capfd):
+    """Q8_0 runs as int8, 4-bit types as int4, said once on stderr; --quantize chooses; floats stay floats."""
+    from kstep.layers.quantized import Int4Linear, Int8Linear
+    path = write_gguf(BUNDLED_DIR / "default-ar", tmp_path / "q.gguf", "llama", kind)
+    llm = kstep.load(path)
+    kinds = {type(m) for m in llm.model.modules()}
+    assert (Int8Linear in kinds, Int4Linear in kinds) == (mode == "int8", mode == "int4")
+    said = capfd.readouterr().err
+    assert (f"run as {mode}, kstep's nearest type" in said) == (mode is not None), said
+    kstep.load(path)
+    assert "nearest type" not in capfd.readouterr().err  # once per process
+    asked = kstep.load(path, quantize="int8")
+    assert any(isinstance(m, Int8Linear) for m in asked.model.modules())
+
+
 def test_an_architecture_kstep_does_not_run_is_refused_by_name(tmp_path):
     writer = gguf.GGUFWriter(tmp_path / "m.gguf", "gpt2")
     writer.add_block_count(1)

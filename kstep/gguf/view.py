@@ -1,10 +1,12 @@
 """A GGUF file as a checkpoint directory: its config.json, tokenizer.json, tokenizer_config.json and
 generation_config.json written from its metadata into kstep's cache (a few MB at most, once per
 file version), with `gguf_file.json` naming the file, whose tensors are read in place (weights.py)."""
+import functools
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -52,7 +54,7 @@ def gguf_view(path: Path) -> Path:
     files = {"config.json": config, "tokenizer.json": tokenizer, "tokenizer_config.json": tokenizer_config,
              "generation_config.json": {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                                         if k in config},
-             MARKER: {"file": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}}
+             MARKER: {"file": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, **_quantization(file)}}
     view.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=view.parent, prefix=".staging-"))
     try:
@@ -78,3 +80,34 @@ def gguf_source(view: Path) -> Path | None:
     if not source.is_file():
         raise FileNotFoundError(f"{view}: its GGUF file {source} is gone")
     return source
+
+
+FLOATS = ("F32", "F16", "BF16")
+
+
+def _quantization(file: GGUFFile) -> dict:
+    """The kstep type nearest a quantized file's matrices that keeps their memory size: int8 for 8-bit
+    types (Q8_0), int4 below; none for float files. And the types, for the notice."""
+    kinds: dict[str, int] = {}
+    for tensor in file.tensors.values():
+        if len(tensor.shape) >= 2:
+            kinds[tensor.tensor_type.name] = kinds.get(tensor.tensor_type.name, 0) + 1
+    quantized = [kind for kind in kinds if kind not in FLOATS]
+    if not quantized:
+        return {}
+    mode = "int8" if all(kind.startswith("Q8") for kind in quantized) else "int4"
+    counted = sorted(kinds.items(), key=lambda kind_count: -kind_count[1])
+    return {"quantize": mode, "types": ", ".join(f"{kind} x {n}" for kind, n in counted)}
+
+
+@functools.cache
+def default_quantization(view: Path) -> str | None:
+    """A quantized GGUF file's default `quantize` (None: a float file, or not a view), said once on stderr."""
+    marker = view / MARKER
+    recorded = json.loads(marker.read_text()) if marker.is_file() else {}
+    mode = recorded.get("quantize")
+    if mode is not None:
+        faster = " (--quantize int8: faster on a CPU, in about twice the memory)" if mode == "int4" else ""
+        sys.stderr.write(f"kstep: {Path(recorded['file']).name} holds quantized matrices ({recorded['types']}): they "
+                         f"run as {mode}, kstep's nearest type that keeps their memory size{faster}\n")
+    return mode
