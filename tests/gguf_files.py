@@ -3,6 +3,7 @@ llama.cpp's convert_hf_to_gguf.py writes them (TextModel.set_gguf_parameters, Ll
 permutation, the gpt2 vocabulary with its merges and control tokens, 1-d tensors in F32): CI has no
 llama.cpp tree to run the converter itself."""
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -27,7 +28,8 @@ def hparams(config: dict) -> dict:
                     kv_heads=config.get("n_kv_heads") or heads, head_dim=None)
     heads = config["num_attention_heads"]
     return dict(context=config.get("max_position_embeddings", 2048), d_model=config["hidden_size"],
-                layers=config["num_hidden_layers"], ffn=config["intermediate_size"], heads=heads,
+                layers=config["num_hidden_layers"], heads=heads,
+                ffn=config.get("intermediate_size") or config.get("dense_intermediate_size"),
                 kv_heads=config.get("num_key_value_heads") or heads, head_dim=config.get("head_dim"))
 
 
@@ -53,10 +55,14 @@ def write_gguf(checkpoint: Path, out: Path, arch: str, kind=gguf.GGMLQuantizatio
     if arch in ("llama", "llada"):
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(h["head_dim"] or h["d_model"] // heads)
-    if arch in ("llada", "dream"):  # bidirectional; LLaDA's logits are not shifted, Dream's are (no key: true)
+    if arch in ("llada", "dream", "llada-moe"):  # bidirectional; LLaDA's logits not shifted, Dream's are (no key)
         writer.add_causal_attention(False)
-        if arch == "llada":
+        if arch != "dream":
             writer.add_diffusion_shift_logits(False)
+    if arch == "llada-moe":
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["expert_intermediate_size"])
     # the vocabulary as _set_vocab_gpt2 writes it: ids in order, added special tokens as CONTROL
     vocab, special = tokenizer["model"]["vocab"], {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
     tokens = sorted(vocab, key=vocab.get)
@@ -78,7 +84,7 @@ def write_gguf(checkpoint: Path, out: Path, arch: str, kind=gguf.GGMLQuantizatio
         writer.add_chat_template(tokenizer_config["chat_template"])
     arches = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}
     names = gguf.get_tensor_name_map(arches[arch], h["layers"])
-    for name, tensor in load_file(checkpoint / "model.safetensors").items():
+    for name, tensor in _stacked_experts(load_file(checkpoint / "model.safetensors")).items():
         data = tensor.to(torch.float32).numpy()
         if arch in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = _permute(data, heads)
@@ -94,4 +100,19 @@ def write_gguf(checkpoint: Path, out: Path, arch: str, kind=gguf.GGMLQuantizatio
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def _stacked_experts(tensors: dict) -> dict:
+    """Each layer's per-expert weights as one (experts, out, in) tensor, as the converter's MoE classes
+    stack them (`model.layers.N.mlp.experts.{gate,up,down}_proj.weight`)."""
+    out, experts = {}, {}
+    for name, tensor in tensors.items():
+        match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if match is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(f"{match[1]}.{match[3]}.weight", {})[int(match[2])] = tensor
+    for name, by_index in experts.items():
+        out[name] = torch.stack([by_index[e] for e in sorted(by_index)])
     return out

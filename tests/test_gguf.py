@@ -40,12 +40,15 @@ def test_a_llama_gguf_generates_the_safetensors_tokens(kind, tmp_path):
     assert [greedy(llm, [p])[0] for p in PROMPTS] == want
 
 
-@pytest.mark.parametrize("family,arch", [("qwen2", "qwen2"), ("llada", "llada"), ("dream", "dream")])
+@pytest.mark.parametrize("family,arch", [("qwen2", "qwen2"), ("llada", "llada"), ("dream", "dream"),
+                                         ("llada_moe", "llada-moe")])
 def test_every_architecture_generates_the_safetensors_tokens(family, arch, tmp_path):
     """Random checkpoints: Qwen2 (q/k/v biases), LLaDA (its own config keys and tensor names, permuted
-    q / k, an embedding padded past the vocabulary), Dream (bidirectional Qwen2, shifted logits):
-    the same greedy tokens by diffusion or AR, batch and alone."""
-    source = write_random_checkpoint(tmp_path / family, family=family, seed=5)
+    q / k, an embedding padded past the vocabulary), Dream (bidirectional Qwen2, shifted logits),
+    LLaDA-MoE (experts stacked per layer, q / k norms; every layer sparse, as llama.cpp holds it): the
+    same greedy tokens by diffusion or AR, batch and alone."""
+    sizes = dict(dense_layers=0) if family == "llada_moe" else {}
+    source = write_random_checkpoint(tmp_path / family, family=family, seed=5, **sizes)
     path = write_gguf(source, tmp_path / f"{family}.gguf", arch)
     want, llm = greedy(kstep.load(source), max_tokens=12), kstep.load(path)
     assert llm.cfg.family == kstep.load(source).cfg.family
@@ -102,7 +105,7 @@ def test_an_architecture_kstep_does_not_run_is_refused_by_name(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    refused = r"architecture 'gpt2' is not one kstep runs \(it runs llama, qwen2, dream, llada"
+    refused = r"architecture 'gpt2' is not one kstep runs \(it runs llama, qwen2, dream, llada, llada-moe from"
     with pytest.raises(ValueError, match=refused):
         kstep.load(tmp_path / "m.gguf")
 

@@ -9,6 +9,7 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "dream": ("DreamModel", "Dream"),
     "llada": ("LLaDAModelLM", "llada"),
+    "llada-moe": ("LLaDAMoEModelLM", "llada"),
 }
 # llama.cpp's `rope.scaling.type` values kstep's rope takes from a config.json's rope_scaling
 ROPE_SCALING = ("linear", "yarn")
@@ -39,6 +40,8 @@ def hf_config(file: GGUFFile) -> dict:
                "n_layers": file.arch_get("block_count"), "mlp_hidden_size": file.arch_get("feed_forward_length"),
                "max_sequence_length": file.arch_get("context_length", 4096), "weight_tying": tied,
                "embedding_size": rows}
+    elif file.arch == "llada-moe":  # every layer sparse, no shared expert: what llama.cpp's llada-moe holds
+        raw = _llada_moe(file, d_model, heads, tied)
     else:
         raw = {"hidden_size": d_model, "intermediate_size": file.arch_get("feed_forward_length"),
                "num_hidden_layers": file.arch_get("block_count"), "num_attention_heads": heads,
@@ -56,6 +59,25 @@ def hf_config(file: GGUFFile) -> dict:
                                **({"original_max_position_embeddings": original} if (
                                    original := file.arch_get("rope.scaling.original_context_length")) else {})}
     return {k: v for k, v in raw.items() if v is not None}
+
+
+def _llada_moe(file: GGUFFile, d_model: int, heads: int, tied: bool) -> dict:
+    """LLaDA-MoE's config.json keys (LLaDAMoEModel in the converter, which writes the MoE sizes; the
+    rest is what the tensors show: q / k norms, which layers route)."""
+    layers = file.arch_get("block_count")
+    head_dim = file.arch_get("attention.key_length") or d_model // heads
+    if any(f"blk.{i}.ffn_gate_inp.weight" not in file.tensors for i in range(layers)):
+        raise ValueError(f"{file.path}: a llada-moe file with dense layers is not one llama.cpp writes")
+    return {"hidden_size": d_model, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": file.arch_get("attention.head_count_kv") or heads, "head_dim": head_dim,
+            "dense_intermediate_size": file.arch_get("feed_forward_length"),
+            "expert_intermediate_size": file.arch_get("expert_feed_forward_length"),
+            "num_experts": file.arch_get("expert_count"), "num_experts_per_tok": file.arch_get("expert_used_count"),
+            "norm_topk_prob": False, "moe_layer_freq": [1] * layers, "moe_router_score_function": "softmax",
+            "qk_layernorm": "blk.0.attn_q_norm.weight" in file.tensors,
+            "partial_rotary_factor": (file.arch_get("rope.dimension_count") or head_dim) / head_dim,
+            "max_position_embeddings": file.arch_get("context_length", 4096), "hidden_act": "silu",
+            "tie_word_embeddings": tied}
 
 
 def _float32_value(value: float) -> float:

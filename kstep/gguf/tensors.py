@@ -2,6 +2,8 @@
 own tables (`get_tensor_name_map`), the data as stored for F32 / F16 / BF16 and dequantized by
 gguf-py for the quantized types, and llama.cpp's rope permutation of the query and key rows undone
 for the architectures its converter permutes (LlamaModel.permute: llama, llada)."""
+import re
+
 import numpy as np
 import torch
 import gguf
@@ -10,6 +12,7 @@ from kstep.gguf.reader import GGUFFile
 
 PERMUTED = ("llama", "llada")  # llama.cpp's "normal" rope: its converter reorders q / k rows per head
 _ARCHES = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")  # one expert's weight: a slice of the stacked one
 
 
 class GGUFTensors:
@@ -19,14 +22,27 @@ class GGUFTensors:
         self.file, self.config = file, config
         layers = config.get("num_hidden_layers") or config["n_layers"]  # LLaDA's config names it n_layers
         self.names = gguf.get_tensor_name_map(_ARCHES[file.arch], layers)
+        self._stacked: tuple[str | None, torch.Tensor | None] = (None, None)
 
     def gguf_name(self, name: str) -> str | None:
-        """The file's tensor for a Hugging Face tensor name, or None where the file has none."""
-        found = self.names.get_name(name, try_suffixes=(".weight", ".bias"))
+        """The file's tensor for a Hugging Face tensor name, or None where the file has none (an
+        expert's: the layer's stacked tensor)."""
+        expert = EXPERT.fullmatch(name)
+        asked = f"{expert[1]}.{expert[3]}.weight" if expert else name
+        found = self.names.get_name(asked, try_suffixes=(".weight", ".bias"))
         return found if found in self.file.tensors else None
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        stored = self.file.tensors[self.gguf_name(name)]
+        expert = EXPERT.fullmatch(name)
+        if expert is None:
+            return self._read(name, self.gguf_name(name))
+        stacked = self.gguf_name(name)  # (experts, out, in): the converter's torch.stack of each expert's
+        if self._stacked[0] != stacked:  # one stacked tensor dequantized for all its experts
+            self._stacked = (stacked, self._read(name, stacked))
+        return self._stacked[1][int(expert[2])]
+
+    def _read(self, name: str, stacked_or_own: str) -> torch.Tensor:
+        stored = self.file.tensors[stacked_or_own]
         shape = tuple(reversed(stored.shape.tolist()))  # GGML lists the innermost dimension first
         kind = stored.tensor_type
         if kind == gguf.GGMLQuantizationType.F32:
