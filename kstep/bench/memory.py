@@ -3,6 +3,7 @@
 import ctypes
 import ctypes.util
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -54,11 +55,15 @@ def load_footprint(model: str, device: str, dtype: str) -> dict:
     allocator's peak). Run in a fresh process (`kstep bench load`) so nothing else is resident."""
     from kstep.layers.quantized import model_bytes
     from kstep.llm import load
+    from kstep.gguf.view import gguf_source
     device_ = torch.device(device)
     with PeakMemory(device_) as peak:
+        start = time.perf_counter()
         llm = load(model, device=device, dtype=dtype)
+        seconds = time.perf_counter() - start
     weights = model_bytes(llm.model)
-    files = sum(p.stat().st_size for p in Path(llm.path).glob("*.safetensors"))
+    source = gguf_source(Path(llm.path))
+    files = [source] if source is not None else list(Path(llm.path).glob("*.safetensors"))
     return {"model": str(model), "dtype": dtype, "device": device, "params": llm.cfg.num_params,
-            "weights_bytes": weights, "checkpoint_bytes": files, "peak_bytes": peak.bytes,
-            "peak_over_weights": peak.bytes / weights}
+            "weights_bytes": weights, "checkpoint_bytes": sum(f.stat().st_size for f in files),
+            "peak_bytes": peak.bytes, "peak_over_weights": peak.bytes / weights, "load_s": seconds}

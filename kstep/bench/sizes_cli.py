@@ -59,8 +59,11 @@ def run_moe(args: argparse.Namespace) -> int:
 
 
 def add_load(kinds) -> None:
-    load = add_command(kinds, "load", "peak memory of loading a checkpoint, against its weights")
-    load.add_argument("--model", required=True, help="checkpoint directory or bundled name")
+    load = add_command(kinds, "load", "peak memory and time of loading a checkpoint, against its weights")
+    load.add_argument("--model", required=True, help="checkpoint directory, GGUF file or bundled name")
+    load.add_argument("--against", default=None,
+                      help="the same weights in another form (e.g. the safetensors of a GGUF file): both loaded "
+                           "twice, each in a fresh process, alternating; the second loads' time ratio")
     add_device_flags(load)
     load.add_argument("--out", default=None, help="also write the figures as JSON here")
     load.set_defaults(run=run_load)
@@ -68,15 +71,39 @@ def add_load(kinds) -> None:
 
 def run_load(args: argparse.Namespace) -> int:
     from kstep.bench.memory import load_footprint
-    row = load_footprint(args.model, args.device, args.dtype)
-    gib = 1024 ** 3
-    print(f"{row['model']}: {row['params'] / 1e9:.2f} B parameters, weights {row['weights_bytes'] / gib:.2f} GiB "
-          f"({row['dtype']}; checkpoint files {row['checkpoint_bytes'] / gib:.2f} GiB), peak while loading "
-          f"{row['peak_bytes'] / gib:.2f} GiB = {row['peak_over_weights']:.2f}x the weights")
+    if args.against:
+        rows = [_load_in_a_process(model, args) for _ in range(2) for model in (args.against, args.model)]
+        for row in rows:
+            _print_load(row)
+        ratio = rows[3]["load_s"] / rows[2]["load_s"]
+        print(f"load time {rows[3]['load_s']:.2f} s against {rows[2]['load_s']:.2f} s: {ratio:.2f}x")
+        result = {"rows": rows, "load_time_ratio": ratio}
+    else:
+        result = load_footprint(args.model, args.device, args.dtype)
+        _print_load(result)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(row, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _load_in_a_process(model: str, args: argparse.Namespace) -> dict:
+    import subprocess
+    import sys
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        subprocess.run([sys.executable, "-m", "kstep", "bench", "load", "--model", model, "--device", args.device,
+                        "--dtype", args.dtype, "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
+def _print_load(row: dict) -> None:
+    gib = 1024 ** 3
+    print(f"{row['model']}: {row['params'] / 1e9:.2f} B parameters, weights {row['weights_bytes'] / gib:.2f} GiB "
+          f"({row['dtype']}; checkpoint files {row['checkpoint_bytes'] / gib:.2f} GiB), loaded in "
+          f"{row['load_s']:.2f} s, peak while loading {row['peak_bytes'] / gib:.2f} GiB = "
+          f"{row['peak_over_weights']:.2f}x the weights", flush=True)
 
 
 PASS_SHAPES = ("llama:bundled-3m,llama:dense-60m,qwen2:qwen2.5-0.5b,qwen2:qwen2.5-1.5b,llada:llada-1b,"
