@@ -6,7 +6,6 @@ import torch
 
 from kstep.gguf.view import default_quantization
 from kstep.layers.linear import pack_fused_weights
-from kstep.layers.quantized import quantize_model
 from kstep.runner.model_runner import ModelRunner
 from kstep.weights import load_model
 
@@ -21,9 +20,7 @@ def load_runner(path: Path, device: torch.device, dtype: torch.dtype, quantize: 
         raise ValueError(f"distributed_executor_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if tensor_parallel_size == 1:
         quantize = quantize or default_quantization(path)  # a quantized GGUF file's, unless asked otherwise
-        model = load_model(path, device, dtype)
-        if quantize is not None:
-            quantize_model(model, quantize)
+        model = load_model(path, device, dtype, quantize)  # quantized layer by layer as it loads
         pack_fused_weights(model)  # CPU: large projection weights in oneDNN's blocked layout
         return ModelRunner(model)
     if quantize is not None:

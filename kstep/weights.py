@@ -11,9 +11,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from kstep.gguf.reader import GGUFFile
 from kstep.gguf.tensors import GGUFTensors
-from kstep.gguf.view import gguf_source
+from kstep.gguf.view import gguf_tensors
+from kstep.layers.quantized import quantize_model
 from kstep.models import ModelConfig, Transformer
 from kstep.models.parts import Part, parts_of
 from kstep.registry import BLOCK_DIFFUSION, DIFFUSION, FAMILIES, family_for
@@ -91,7 +91,7 @@ def _layout(cfg: ModelConfig):
 def _tensor_files(path: Path, wanted: list[str], gguf_file: GGUFTensors | None) -> dict[str, Path]:
     """checkpoint tensor name -> file holding it (of a GGUF file: the `wanted` names it holds)."""
     if gguf_file is not None:
-        return {name: gguf_file.file.path for name in wanted if gguf_file.gguf_name(name) is not None}
+        return {name: gguf_file.source for name in wanted if gguf_file.gguf_name(name) is not None}
     index = path / "model.safetensors.index.json"
     if index.is_file():
         return {name: path / file for name, file in read_json(index)["weight_map"].items()}
@@ -115,8 +115,7 @@ def load_weights(model: Transformer, path: Path, names: dict | None = None, zero
     tensor-parallel rank's slices; default the family's whole map); `zeros`: parameters left as
     they are (zero)."""
     names = parts_of(names if names is not None else _layout(model.cfg).checkpoint_names(model.cfg))
-    source = gguf_source(path)  # a GGUF file's view: its metadata parsed once, its tensors read in place
-    gguf_file = GGUFTensors(GGUFFile(source), read_json(path / "config.json")) if source is not None else None
+    gguf_file = gguf_tensors(path)  # a GGUF file's view: its tensors read in place
     files = _tensor_files(path, [part.tensor for parts in names.values() for part in parts], gguf_file)
     params = {name: p for name, p in model.named_parameters() if name not in zeros}
     if set(names) != set(params):
@@ -132,8 +131,9 @@ def load_weights(model: Transformer, path: Path, names: dict | None = None, zero
         for file, wanted in by_file.items():
             wanted.sort(key=lambda item: item[1].tensor)  # neighbouring tensors sit near each other on disk
             if gguf_file is not None:  # it lets each tensor's pages go once read (gguf/tensors.py)
-                for ours, part in wanted:
-                    _copy_part(gguf_file, params[ours], part, path)
+                with gguf_file:
+                    for ours, part in wanted:
+                        _copy_part(gguf_file, params[ours], part, path)
                 continue
             start = 0
             while start < len(wanted):
@@ -152,6 +152,9 @@ def _target(param: torch.Tensor, part: Part) -> torch.Tensor:
 
 
 def _copy_part(f, param: torch.Tensor, part: Part, path: Path) -> int:
+    whole = part.rows is None and part.cols is None
+    if whole and isinstance(f, GGUFTensors) and f.read_into(part.tensor, _target(param, part)):
+        return param.numel() * param.element_size()  # a quantized tensor, dequantized straight into it
     rows = slice(*part.rows) if part.rows else slice(None)
     if part.cols is not None:  # only these bytes are read: a rank never holds the whole tensor
         tensor = f.get_slice(part.tensor)[rows, part.cols[0]:part.cols[1]]
@@ -211,11 +214,25 @@ def allocate(model: nn.Module, device: torch.device) -> None:
             module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
-def load_model(path: str | Path, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> Transformer:
+def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               quantize: str | None = None) -> Transformer:
+    """The checkpoint's model; `quantize` (int8 / int4): each layer quantized as soon as its weights are in,
+    so the load holds one layer in float at a time beside the quantized ones (a quantized GGUF file's
+    model never exists whole in float32), then the rest (the LM head) as quantize_model does."""
     path = Path(path)
     model = build_model(read_model_config(path), device, dtype)
-    load_weights(model, path)
+    if quantize is None:
+        load_weights(model, path)
+    else:
+        names = _layout(model.cfg).checkpoint_names(model.cfg)
+        for i, layer in enumerate(model.layers):
+            ours = {name for name in names if name.startswith(f"layers.{i}.")}
+            load_weights(model, path, {k: v for k, v in names.items() if k in ours}, zeros=set(names) - ours)
+            quantize_model(layer, quantize)  # the float weights go with the replaced linears
+        rest = {name for name in names if not name.startswith("layers.")}
+        quantized = {name for name, _ in model.named_parameters()} - rest  # the layers' (codes and scales) now
+        load_weights(model, path, {k: v for k, v in names.items() if k in rest}, zeros=quantized)
+        quantize_model(model, quantize)
     model.fuse_projections()
     return model
 

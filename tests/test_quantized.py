@@ -57,3 +57,18 @@ def test_bench_ar_runs(llama_path, tmp_path):
     assert all(r["transformers_tokens_per_s"] > 0 and r["plain_tokens_per_s"] > 0 for r in rows)
     assert rows[0][f"speculative {llama_path}_acceptance_rate"] == 1.0  # the target as its own draft
     assert 0 <= rows[0]["speculative ngram_acceptance_rate"] <= 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "llada_moe", "diffusion_gemma"])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantizing_each_layer_as_it_loads_is_quantizing_the_loaded_model(family, mode, tmp_path):
+    """load_model(quantize=...) quantizes a layer as soon as its weights are in (the float model never
+    exists whole): the same parameters and buffers as quantizing the whole loaded model."""
+    from kstep.random_checkpoint import write_random_checkpoint
+    from kstep.weights import load_model
+    path = write_random_checkpoint(tmp_path / family, family=family, seed=3)
+    streamed, whole = load_model(path, quantize=mode), load_model(path)
+    quantize_model(whole, mode)
+    streamed_state, whole_state = streamed.state_dict(), whole.state_dict()
+    assert streamed_state.keys() == whole_state.keys()
+    assert all(torch.equal(streamed_state[k], whole_state[k]) for k in whole_state)

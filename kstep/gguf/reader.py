@@ -1,6 +1,5 @@
 """A GGUF file's metadata and tensors through gguf-py's reader (a memory map: nothing is executed,
 nothing unpickled)."""
-import mmap
 from pathlib import Path
 
 import gguf
@@ -41,13 +40,3 @@ class _Reader(gguf.GGUFReader):
     @data.setter
     def data(self, value):
         self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
-
-    def release(self, array: np.ndarray) -> None:
-        """Let the pages of a tensor's bytes go (read again from the file if touched): a file's weights
-        do not count twice in the process's memory while it loads."""
-        base = self._plain.base
-        if isinstance(base, np.memmap) and getattr(base, "_mmap", None) is not None and array.size:
-            start = array.__array_interface__["data"][0] - self._plain.__array_interface__["data"][0]
-            page = mmap.PAGESIZE
-            first = start // page * page
-            base._mmap.madvise(mmap.MADV_DONTNEED, first, start + array.nbytes - first)

@@ -2,27 +2,35 @@
 own tables (`get_tensor_name_map`), the data as stored for F32 / F16 / BF16 and dequantized by
 gguf-py for the quantized types, and llama.cpp's rope permutation of the query and key rows undone
 for the architectures its converter permutes (LlamaModel.permute: llama, llada)."""
+import mmap
 import re
+from pathlib import Path
 
 import numpy as np
 import torch
 import gguf
 
-from kstep.gguf.reader import GGUFFile
 
 PERMUTED = ("llama", "llada")  # llama.cpp's "normal" rope: its converter reorders q / k rows per head
 _ARCHES = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+CHUNK_BYTES = 16 << 20  # float32 rows dequantized at a time by read_into
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")  # one expert's weight: a slice of the stacked one
 
 
 class GGUFTensors:
-    """safetensors' `safe_open` handle, for a GGUF file: get_tensor / get_slice by Hugging Face name."""
+    """safetensors' `safe_open` handle, for a GGUF file: get_tensor / get_slice by Hugging Face name.
+    Reads the file through its own memory map at the offsets gguf-py found when the view was written
+    (view.py: `tensors`), so a load does not parse the file's metadata again (a 151,000-token
+    vocabulary took gguf-py's reader 2-4 s), and hands each tensor's pages back once the next is read."""
 
-    def __init__(self, file: GGUFFile, config: dict):
-        self.file, self.config = file, config
+    def __init__(self, source: Path, arch: str, table: dict, config: dict):
+        self.source, self.arch, self.table, self.config = source, arch, table, config
         layers = config.get("num_hidden_layers") or config["n_layers"]  # LLaDA's config names it n_layers
-        self.names = gguf.get_tensor_name_map(_ARCHES[file.arch], layers)
+        self.names = gguf.get_tensor_name_map(_ARCHES[arch], layers)
+        self._map = np.memmap(source, mode="c")  # private: writable views for torch, the file untouched
+        self._bytes = self._map.view(np.ndarray)  # slicing a plain array costs a tenth of a memmap's
         self._stacked: tuple[str | None, torch.Tensor | None] = (None, None)
+        self._read_last: tuple[int, int] | None = None
 
     def gguf_name(self, name: str) -> str | None:
         """The file's tensor for a Hugging Face tensor name, or None where the file has none (an
@@ -30,7 +38,7 @@ class GGUFTensors:
         expert = EXPERT.fullmatch(name)
         asked = f"{expert[1]}.{expert[3]}.weight" if expert else name
         found = self.names.get_name(asked, try_suffixes=(".weight", ".bias"))
-        return found if found in self.file.tensors else None
+        return found if found in self.table else None
 
     def get_tensor(self, name: str) -> torch.Tensor:
         expert = EXPERT.fullmatch(name)
@@ -41,28 +49,63 @@ class GGUFTensors:
             self._stacked = (stacked, self._read(name, stacked))
         return self._stacked[1][int(expert[2])]
 
-    def _read(self, name: str, stacked_or_own: str) -> torch.Tensor:
-        stored = self.file.tensors[stacked_or_own]
-        shape = tuple(reversed(stored.shape.tolist()))  # GGML lists the innermost dimension first
-        kind = stored.tensor_type
+    def _read(self, name: str, stored: str) -> torch.Tensor:
+        self._release()  # the tensor before this one has been copied by now
+        entry = self.table[stored]
+        kind, offset, size = gguf.GGMLQuantizationType[entry["type"]], entry["offset"], entry["bytes"]
+        shape = tuple(reversed(entry["shape"]))  # GGML lists the innermost dimension first
+        raw = self._bytes[offset:offset + size]
+        self._read_last = (offset, size)
         if kind == gguf.GGMLQuantizationType.F32:
-            values = torch.from_numpy(np.array(stored.data).view(np.float32))  # a copy: the map is read-only
+            values = torch.from_numpy(raw.view(np.float32))
         elif kind == gguf.GGMLQuantizationType.F16:
-            values = torch.from_numpy(np.array(stored.data).view(np.float16))
+            values = torch.from_numpy(raw.view(np.float16))
         elif kind == gguf.GGMLQuantizationType.BF16:
-            values = torch.from_numpy(np.array(stored.data).view(np.int16)).view(torch.bfloat16)
+            values = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
         else:
+            block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
             try:
-                values = torch.from_numpy(gguf.quants.dequantize(stored.data, kind))
+                values = torch.from_numpy(gguf.quants.dequantize(
+                    raw.reshape(*shape[:-1], shape[-1] // block * block_bytes), kind))
             except NotImplementedError:
-                raise ValueError(f"{self.file.path}: tensor {stored.name} is {kind.name}, which gguf-py cannot "
+                raise ValueError(f"{self.source}: tensor {stored} is {kind.name}, which gguf-py cannot "
                                  "dequantize") from None
         values = values.reshape(shape)
-        self.file.reader.release(stored.data)  # copied (or dequantized) above: its pages may go
-        if self.file.arch in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
-                                                         "k_proj.bias")):
+        if self.arch in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             values = _unpermute(values, self._heads(name))
         return values
+
+    def read_into(self, name: str, target: torch.Tensor) -> bool:
+        """Dequantize a quantized tensor into `target` a few MB of rows at a time (whole, a large one's
+        float32 temporaries would be several times its size: a 151,936-row embedding's, 0.5 GB each);
+        False where it does not apply (a float tensor, an expert's, a permuted one, another shape)."""
+        stored = self.gguf_name(name)
+        entry = self.table.get(stored) if stored and not EXPERT.fullmatch(name) else None
+        if entry is None or entry["type"] in ("F32", "F16", "BF16") or not target.is_contiguous() or (
+                self.arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight"))):
+            return False
+        shape = tuple(reversed(entry["shape"]))
+        if tuple(target.shape) != shape:
+            return False
+        self._release()
+        kind = gguf.GGMLQuantizationType[entry["type"]]
+        block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+        raw = self._bytes[entry["offset"]:entry["offset"] + entry["bytes"]]
+        rows = raw.reshape(-1, shape[-1] // block * block_bytes)
+        into, step = target.view(-1, shape[-1]), max(1, CHUNK_BYTES // (shape[-1] * 4))
+        for start in range(0, rows.shape[0], step):
+            into[start:start + step].copy_(torch.from_numpy(gguf.quants.dequantize(rows[start:start + step], kind)))
+        self._read_last = (entry["offset"], entry["bytes"])
+        return True
+
+    def _release(self) -> None:
+        """Let the last tensor's pages of the file go (read again from the file if touched): the file's
+        weights do not count twice in the process's memory while it loads."""
+        if self._read_last is not None and self._map._mmap is not None:
+            offset, size = self._read_last
+            first = offset // mmap.PAGESIZE * mmap.PAGESIZE
+            self._map._mmap.madvise(mmap.MADV_DONTNEED, first, offset + size - first)
+        self._read_last = None
 
     def get_slice(self, name: str) -> torch.Tensor:
         """The whole tensor, which a caller indexes (a tensor-parallel rank's share)."""
@@ -77,7 +120,7 @@ class GGUFTensors:
         return self
 
     def __exit__(self, *exc) -> None:
-        return None
+        self._release()
 
 
 def _unpermute(values: torch.Tensor, heads: int) -> torch.Tensor:

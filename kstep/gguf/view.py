@@ -12,11 +12,12 @@ from pathlib import Path
 
 from kstep.gguf.config import hf_config
 from kstep.gguf.reader import GGUFFile
+from kstep.gguf.tensors import GGUFTensors
 from kstep.gguf.vocab import tokenizer_files
 
 MARKER = "gguf_file.json"
 # The code that writes a view: another version of it (a kstep upgrade) writes a new directory.
-WRITERS = tuple(Path(__file__).with_name(name) for name in ("view.py", "config.py", "vocab.py"))
+WRITERS = tuple(Path(__file__).with_name(name) for name in ("view.py", "config.py", "vocab.py", "reader.py"))
 
 
 def cache_root() -> Path:
@@ -54,7 +55,8 @@ def gguf_view(path: Path) -> Path:
     files = {"config.json": config, "tokenizer.json": tokenizer, "tokenizer_config.json": tokenizer_config,
              "generation_config.json": {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                                         if k in config},
-             MARKER: {"file": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, **_quantization(file)}}
+             MARKER: {"file": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "arch": file.arch,
+                      **_quantization(file), "tensors": _tensor_table(file)}}
     view.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=view.parent, prefix=".staging-"))
     try:
@@ -72,14 +74,34 @@ def gguf_view(path: Path) -> Path:
 
 def gguf_source(view: Path) -> Path | None:
     """The GGUF file a view directory reads its tensors from (None: not a view)."""
+    recorded = _recorded(view)
+    return None if recorded is None else Path(recorded["file"])
+
+
+def gguf_tensors(view: Path) -> GGUFTensors | None:
+    """A view's tensors, read from its GGUF file (None: not a view)."""
+    recorded = _recorded(view)
+    if recorded is None:
+        return None
+    return GGUFTensors(Path(recorded["file"]), recorded["arch"], recorded["tensors"],
+                      json.loads((view / "config.json").read_text()))
+
+
+def _recorded(view: Path) -> dict | None:
     marker = view / MARKER
     if not marker.is_file():
         return None
     recorded = json.loads(marker.read_text())
     source = Path(recorded["file"])
-    if not source.is_file():
-        raise FileNotFoundError(f"{view}: its GGUF file {source} is gone")
-    return source
+    if not source.is_file() or source.stat().st_size != recorded["size"]:
+        raise FileNotFoundError(f"{view}: its GGUF file {source} is gone or has changed (load the file again)")
+    return recorded
+
+
+def _tensor_table(file: GGUFFile) -> dict:
+    """Where gguf-py found each tensor (type, GGML shape, byte offset and size): a load reads no metadata."""
+    return {t.name: {"type": t.tensor_type.name, "shape": [int(n) for n in t.shape], "offset": int(t.data_offset),
+                     "bytes": int(t.n_bytes)} for t in file.tensors.values()}
 
 
 FLOATS = ("F32", "F16", "BF16")
