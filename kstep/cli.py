@@ -47,8 +47,9 @@ def add_generate(sub) -> None:
     shape.add_argument("--grammar", default=None, metavar="FILE", help="the output is in this grammar (Lark, or "
                                                                       "llama.cpp's GBNF)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
-    gen.add_argument("--quantize", default=None, choices=["int8", "int4"],
-                     help="weight-only quantization of the linear layers at load time")
+    gen.add_argument("--quantize", default=None, choices=["none", "int8", "int4"],
+                     help="weight-only quantization of the linear layers at load time (a quantized GGUF "
+                          "file: its nearest kstep type unless given; none: its dequantized floats)")
     gen.set_defaults(run=run_generate)
 
 

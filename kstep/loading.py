@@ -19,11 +19,12 @@ def load_runner(path: Path, device: torch.device, dtype: torch.dtype, quantize: 
     if backend not in BACKENDS:
         raise ValueError(f"distributed_executor_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if tensor_parallel_size == 1:
-        quantize = quantize or default_quantization(path)  # a quantized GGUF file's, unless asked otherwise
+        # a quantized GGUF file's nearest kstep type, unless asked otherwise ("none": its dequantized floats)
+        quantize = None if quantize == "none" else quantize or default_quantization(path)
         model = load_model(path, device, dtype, quantize)  # quantized layer by layer as it loads
         pack_fused_weights(model)  # CPU: large projection weights in oneDNN's blocked layout
         return ModelRunner(model)
-    if quantize is not None:
+    if quantize not in (None, "none"):
         raise ValueError(f"quantize {quantize!r} with tensor_parallel_size {tensor_parallel_size}: weight-only "
                          "quantization runs on one device only")
     if device.type == "cpu":  # rank 0 too: N ranks, one core each

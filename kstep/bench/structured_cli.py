@@ -33,6 +33,11 @@ def add_structured(kinds) -> None:
     bench.add_argument("--batch", type=int, default=None, help="--engines: also the grammar's host time per AR step "
                        "of this many rows (per-row masks against one packed mask), against one AR step of that batch")
     add_device_flags(bench, threads=True)
+    bench.add_argument("--quality", action="store_true", help="instead: kstep's extraction set (50 texts, the JSON "
+                       "of each scored field by field) with the schema enforced and without, on --model (default: "
+                       "smollm2)")
+    bench.add_argument("--quantize", default=None, choices=["none", "int8", "int4"],
+                       help="--quality: the model's weights (a quantized GGUF file's default: its nearest kstep type)")
     bench.add_argument("--out", default="out/bench")
     bench.set_defaults(run=run_structured)
 
@@ -45,7 +50,12 @@ def run_structured(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"sample": {k: v for k, v in sample.items() if k != "schemas"}, "schemas": len(sample["schemas"])}
-    if args.engines:  # the engines alone, no model
+    if args.quality:
+        from kstep.bench import extraction
+        result = extraction.measure((args.model or ["smollm2"])[0], min(args.max_tokens, 96), args.device, args.dtype,
+                                    args.quantize, args.schemas, lambda line: print(line, file=sys.stderr, flush=True))
+        table, name = extraction.format_table(result), "bench_structured_quality"
+    elif args.engines:  # the engines alone, no model
         table, result["engines"] = _engines(args, sample)
         name = "bench_structured_engines"
     else:

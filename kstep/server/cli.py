@@ -54,8 +54,9 @@ def add_serve(sub) -> None:
                        help="Ray CPUs per replica (its engines' torch threads default to this)")
     serve.add_argument("--ray-address", default=None,
                        help="join this Ray cluster (e.g. auto, or HOST:6379 from `ray start --head`)")
-    serve.add_argument("--quantize", default=None, choices=["int8", "int4"],
-                       help="weight-only quantization of the linear layers at load time (every model)")
+    serve.add_argument("--quantize", default=None, choices=["none", "int8", "int4"],
+                       help="weight-only quantization of the linear layers at load time, every model (a "
+                            "quantized GGUF file: its nearest kstep type unless given; none: its dequantized floats)")
     serve.add_argument("--draft", default=None,
                        help="speculative decoding for the AR models: a draft model or 'ngram' (no model)")
     defaults = serve.add_argument_group("decoding defaults for every model that takes them (a --model option "
