@@ -30,7 +30,11 @@ def llamacpp_paths(root: Path) -> dict[str, Path]:
 
 
 def convert(paths: dict[str, Path], checkpoint: Path, weights: str, work: Path) -> Path:
-    """The checkpoint as a GGUF of the weight type beside kstep's `weights` (cached in `work`)."""
+    """The checkpoint as a GGUF of the weight type beside kstep's `weights` (cached in `work`); a GGUF
+    file's view (kstep/gguf): the file itself, whatever `weights` says (both engines read the same file)."""
+    from kstep.gguf.view import gguf_source
+    if (source := gguf_source(checkpoint)) is not None:
+        return source
     outtype = OUTTYPES[weights]
     out = work / f"{checkpoint.name}.{outtype}.gguf"
     if not out.exists():
@@ -57,7 +61,7 @@ def kstep_runner(checkpoint: Path, weights: str):
     """One greedy generation of exactly max_tokens (end tokens ignored, as llama.cpp's side)."""
     from kstep.llm import load
     llm = load(checkpoint, dtype="bfloat16" if weights == "bfloat16" else "float32",
-               quantize="int8" if weights == "int8" else None)
+               quantize="int8" if weights == "int8" else "none")  # "none": a quantized GGUF file's floats
 
     def run(prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
         start = time.perf_counter()
@@ -85,8 +89,7 @@ def startup_commands(paths: dict[str, Path], checkpoint: Path, gguf: Path, weigh
              "--prompt-ids", ",".join(map(str, prompt[:8]))]  # both on their default threads (the cores)
     if weights == "bfloat16":
         kstep += ["--dtype", "bfloat16"]
-    if weights == "int8":
-        kstep += ["--quantize", "int8"]
+    kstep += ["--quantize", "int8" if weights == "int8" else "none"]
     return kstep, [str(paths["bin"] / "llama-simple"), "-m", str(gguf), "-n", "1", "def f(x):"]
 
 
@@ -123,7 +126,8 @@ def compare(checkpoint: Path, weights: str, prompt: list[int], max_tokens: int, 
     # row is read as the range of its interleaved rounds' ratios, not as one median
     k_rounds, l_rounds = [steps / r[2] for r in ours], [steps / s for s in theirs["decode_seconds"]]
     same = next((i for i, (a, b) in enumerate(zip(ours[-1][0], theirs["ids"])) if a != b), None)
-    return {"checkpoint": str(checkpoint), "weights": weights, "gguf_type": OUTTYPES[weights], "threads": threads,
+    return {"checkpoint": str(gguf if gguf.parent != work else checkpoint), "weights": weights,
+            "gguf_type": _file_type(gguf), "threads": threads,
             "prompt_tokens": P, "max_tokens": max_tokens, "repeats": repeats,
             "kstep_prompt_tps": k_pp, "llamacpp_prompt_tps": l_pp, "prompt_ratio": k_pp / l_pp,
             "kstep_decode_tps": k_tg, "llamacpp_decode_tps": l_tg, "decode_ratio": k_tg / l_tg,
@@ -148,3 +152,13 @@ def format_table(rows: list[dict]) -> str:
             "ratio | kstep decode tok/s | llama.cpp decode tok/s | ratio (rounds) | start-up s, kstep / llama.cpp | same ids |\n"
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     return "\n".join([head] + [format_row(r) for r in rows])
+
+
+def _file_type(gguf_file: Path) -> str:
+    """The file's matrices' types, most common first (e.g. "q4_1+q8_0")."""
+    import gguf
+    kinds: dict[str, int] = {}
+    for tensor in gguf.GGUFReader(gguf_file).tensors:
+        if len(tensor.shape) >= 2:
+            kinds[tensor.tensor_type.name.lower()] = kinds.get(tensor.tensor_type.name.lower(), 0) + 1
+    return "+".join(sorted(kinds, key=lambda kind: -kinds[kind]))

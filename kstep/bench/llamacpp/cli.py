@@ -18,7 +18,7 @@ def add_llamacpp(kinds) -> None:
                             "llama-diffusion-cli (LLaDA, Dream, LLaDA-MoE)")
     bench.add_argument("--model", action="append", default=None,
                        help="a checkpoint (AR; LLaDA, Dream or LLaDA-MoE for --kind diffusion), a directory or bundled "
-                            "name (repeat)")
+                            "name, or a GGUF file (both engines read that file; repeat)")
     bench.add_argument("--shape", action="append", default=None,
                        help="a published shape (kstep/shapes.py): a random qwen2 (ar) checkpoint, or for diffusion one "
                             "of the shape's first family of llada, dream, llada_moe (qwen2.5-0.5b: dream; lladamoe-1b: "
