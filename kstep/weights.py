@@ -225,14 +225,11 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
         load_weights(model, path)
     else:
         names = _layout(model.cfg).checkpoint_names(model.cfg)
-        for i, layer in enumerate(model.layers):
-            ours = {name for name in names if name.startswith(f"layers.{i}.")}
-            load_weights(model, path, {k: v for k, v in names.items() if k in ours}, zeros=set(names) - ours)
-            quantize_model(layer, quantize)  # the float weights go with the replaced linears
-        rest = {name for name in names if not name.startswith("layers.")}
-        quantized = {name for name, _ in model.named_parameters()} - rest  # the layers' (codes and scales) now
-        load_weights(model, path, {k: v for k, v in names.items() if k in rest}, zeros=quantized)
-        quantize_model(model, quantize)
+        parts = [(layer, f"layers.{i}.") for i, layer in enumerate(model.layers)] + [(model, None)]
+        for module, prefix in parts:  # each layer, then what is outside them (the embedding, the head)
+            ours = {k: v for k, v in names.items() if (k.startswith(prefix) if prefix else not k.startswith("layers."))}
+            load_weights(model, path, ours, zeros={name for name, _ in model.named_parameters()} - set(ours))
+            quantize_model(module, quantize)  # the float weights go with the replaced linears
     model.fuse_projections()
     return model
 

@@ -95,9 +95,7 @@ def sample_positions(logits: torch.Tensor, temperature_value: torch.Tensor, scal
 
 
 def _softmax(tile: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """torch.softmax(tile, -1, dtype=torch.float32), into `out` where given (torch's kernel, without a copy)."""
+    """torch.softmax(tile, -1, dtype=torch.float32) of float32 logits, into `out` where given (the same kernel)."""
     if out is None:
         return torch.softmax(tile, dim=-1, dtype=torch.float32)
-    if tile.dtype == torch.float32:
-        return torch.ops.aten._softmax.out(tile, -1, False, out=out)
-    return out.copy_(torch.softmax(tile, dim=-1, dtype=torch.float32))
+    return torch.ops.aten._softmax.out(tile, -1, False, out=out)

@@ -1,6 +1,8 @@
 """A GGUF file's metadata as the Hugging Face config.json its converter read (llama.cpp's
 convert_hf_to_gguf.py, TextModel.set_gguf_parameters and each model class): the keys kstep's family
 parsers take. Architectures kstep runs from a GGUF file: ARCHITECTURES; any other is refused by name."""
+import numpy as np
+
 from kstep.gguf.reader import GGUFFile
 
 # general.architecture -> the Hugging Face architecture and model_type its converter class read
@@ -25,6 +27,7 @@ def hf_config(file: GGUFFile) -> dict:
                          "scaling) are not supported from GGUF files; load the safetensors checkpoint")
     architecture, model_type = ARCHITECTURES[file.arch]
     heads, d_model = file.arch_get("attention.head_count"), file.arch_get("embedding_length")
+    kv_heads, head_dim = file.arch_get("attention.head_count_kv") or heads, file.arch_get("attention.key_length")
     rows = int(file.tensors["token_embd.weight"].shape[-1])  # the embedding's rows (GGML lists them last)
     vocab = file.arch_get("vocab_size") or len(file.get("tokenizer.ggml.tokens") or []) or rows
     shape = {"vocab_size": vocab if file.arch == "llada" else rows,  # Hugging Face's vocab_size: the rows
@@ -36,17 +39,16 @@ def hf_config(file: GGUFFile) -> dict:
              "mask_token_id": file.get("tokenizer.ggml.mask_token_id")}
     tied = "output.weight" not in file.tensors
     if file.arch == "llada":  # LLaDA's own config.json keys (LLaDAModel in the converter)
-        raw = {"d_model": d_model, "n_heads": heads, "n_kv_heads": file.arch_get("attention.head_count_kv") or heads,
+        raw = {"d_model": d_model, "n_heads": heads, "n_kv_heads": kv_heads,
                "n_layers": file.arch_get("block_count"), "mlp_hidden_size": file.arch_get("feed_forward_length"),
                "max_sequence_length": file.arch_get("context_length", 4096), "weight_tying": tied,
                "embedding_size": rows}
     elif file.arch == "llada-moe":  # every layer sparse, no shared expert: what llama.cpp's llada-moe holds
-        raw = _llada_moe(file, d_model, heads, tied)
+        raw = _llada_moe(file, d_model, heads, kv_heads, head_dim or d_model // heads, tied)
     else:
         raw = {"hidden_size": d_model, "intermediate_size": file.arch_get("feed_forward_length"),
                "num_hidden_layers": file.arch_get("block_count"), "num_attention_heads": heads,
-               "num_key_value_heads": file.arch_get("attention.head_count_kv") or heads,
-               "head_dim": file.arch_get("attention.key_length") or d_model // heads,
+               "num_key_value_heads": kv_heads, "head_dim": head_dim or d_model // heads,
                "max_position_embeddings": file.arch_get("context_length", 2048), "hidden_act": "silu",
                "tie_word_embeddings": tied}
     raw = {"architectures": [architecture], "model_type": model_type, **shape, **raw}
@@ -61,15 +63,14 @@ def hf_config(file: GGUFFile) -> dict:
     return {k: v for k, v in raw.items() if v is not None}
 
 
-def _llada_moe(file: GGUFFile, d_model: int, heads: int, tied: bool) -> dict:
+def _llada_moe(file: GGUFFile, d_model: int, heads: int, kv_heads: int, head_dim: int, tied: bool) -> dict:
     """LLaDA-MoE's config.json keys (LLaDAMoEModel in the converter, which writes the MoE sizes; the
     rest is what the tensors show: q / k norms, which layers route)."""
     layers = file.arch_get("block_count")
-    head_dim = file.arch_get("attention.key_length") or d_model // heads
     if any(f"blk.{i}.ffn_gate_inp.weight" not in file.tensors for i in range(layers)):
         raise ValueError(f"{file.path}: a llada-moe file with dense layers is not one llama.cpp writes")
     return {"hidden_size": d_model, "num_hidden_layers": layers, "num_attention_heads": heads,
-            "num_key_value_heads": file.arch_get("attention.head_count_kv") or heads, "head_dim": head_dim,
+            "num_key_value_heads": kv_heads, "head_dim": head_dim,
             "dense_intermediate_size": file.arch_get("feed_forward_length"),
             "expert_intermediate_size": file.arch_get("expert_feed_forward_length"),
             "num_experts": file.arch_get("expert_count"), "num_experts_per_tok": file.arch_get("expert_used_count"),
@@ -83,5 +84,4 @@ def _llada_moe(file: GGUFFile, d_model: int, heads: int, tied: bool) -> dict:
 def _float32_value(value: float) -> float:
     """A float32 metadata value as the decimal the converter wrote (1e-05 is stored as 9.9999997e-06):
     the shortest decimal that rounds to the same float32."""
-    import numpy as np
     return float(np.format_float_positional(np.float32(value), unique=True))

@@ -27,6 +27,14 @@ class GGUFFile:
         """`{arch}.{suffix}`, the architecture's own keys (e.g. `llama.block_count`)."""
         return self.get(f"{self.arch}.{suffix}", default)
 
+    def matrix_types(self) -> dict[str, int]:
+        """How many matrices (2-d tensors and more) of each type the file holds, most common first."""
+        kinds: dict[str, int] = {}
+        for tensor in self.tensors.values():
+            if len(tensor.shape) >= 2:
+                kinds[tensor.tensor_type.name] = kinds.get(tensor.tensor_type.name, 0) + 1
+        return dict(sorted(kinds.items(), key=lambda kind_count: -kind_count[1]))
+
 
 class _Reader(gguf.GGUFReader):
     """gguf-py's reader over a plain array view of its memory map: it parses the metadata with one

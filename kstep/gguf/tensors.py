@@ -13,7 +13,8 @@ import gguf
 
 PERMUTED = ("llama", "llada")  # llama.cpp's "normal" rope: its converter reorders q / k rows per head
 _ARCHES = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
-CHUNK_BYTES = 16 << 20  # float32 rows dequantized at a time by read_into
+FLOATS = ("F32", "F16", "BF16")  # stored as they are read; every other type is dequantized
+CHUNK_BYTES = 16 << 20  # float32 rows dequantized at a time
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")  # one expert's weight: a slice of the stacked one
 
 
@@ -52,51 +53,54 @@ class GGUFTensors:
     def _read(self, name: str, stored: str) -> torch.Tensor:
         self._release()  # the tensor before this one has been copied by now
         entry = self.table[stored]
-        kind, offset, size = gguf.GGMLQuantizationType[entry["type"]], entry["offset"], entry["bytes"]
         shape = tuple(reversed(entry["shape"]))  # GGML lists the innermost dimension first
-        raw = self._bytes[offset:offset + size]
-        self._read_last = (offset, size)
-        if kind == gguf.GGMLQuantizationType.F32:
+        raw = self._bytes[entry["offset"]:entry["offset"] + entry["bytes"]]
+        self._read_last = (entry["offset"], entry["bytes"])
+        if entry["type"] == "F32":
             values = torch.from_numpy(raw.view(np.float32))
-        elif kind == gguf.GGMLQuantizationType.F16:
+        elif entry["type"] == "F16":
             values = torch.from_numpy(raw.view(np.float16))
-        elif kind == gguf.GGMLQuantizationType.BF16:
+        elif entry["type"] == "BF16":
             values = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
         else:
-            block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-            try:
-                values = torch.from_numpy(gguf.quants.dequantize(
-                    raw.reshape(*shape[:-1], shape[-1] // block * block_bytes), kind))
-            except NotImplementedError:
-                raise ValueError(f"{self.source}: tensor {stored} is {kind.name}, which gguf-py cannot "
-                                 "dequantize") from None
+            values = self._dequantize(stored, entry, torch.empty(shape))
         values = values.reshape(shape)
-        if self.arch in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-            values = _unpermute(values, self._heads(name))
-        return values
+        return _unpermute(values, self._heads(name)) if self._permuted(name) else values
 
     def read_into(self, name: str, target: torch.Tensor) -> bool:
-        """Dequantize a quantized tensor into `target` a few MB of rows at a time (whole, a large one's
-        float32 temporaries would be several times its size: a 151,936-row embedding's, 0.5 GB each);
-        False where it does not apply (a float tensor, an expert's, a permuted one, another shape)."""
-        stored = self.gguf_name(name)
-        entry = self.table.get(stored) if stored and not EXPERT.fullmatch(name) else None
-        if entry is None or entry["type"] in ("F32", "F16", "BF16") or not target.is_contiguous() or (
-                self.arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight"))):
-            return False
-        shape = tuple(reversed(entry["shape"]))
-        if tuple(target.shape) != shape:
+        """Dequantize a quantized tensor straight into `target` (no whole-tensor temporaries); False where
+        it does not apply (a float tensor, an expert's, a permuted one, another shape): get_tensor then."""
+        stored = None if EXPERT.fullmatch(name) or self._permuted(name) else self.gguf_name(name)
+        entry = self.table.get(stored) if stored else None
+        if entry is None or entry["type"] in FLOATS or not target.is_contiguous() \
+                or tuple(target.shape) != tuple(reversed(entry["shape"])):
             return False
         self._release()
+        self._read_last = (entry["offset"], entry["bytes"])
+        self._dequantize(stored, entry, target)
+        return True
+
+    def _dequantize(self, stored: str, entry: dict, out: torch.Tensor) -> torch.Tensor:
+        """gguf-py's dequantization of a tensor into `out` (its shape), CHUNK_BYTES of float32 rows at a
+        time: whole, a large tensor's temporaries would be several times its size (a 151,936-row
+        embedding's: 0.5 GB each)."""
         kind = gguf.GGMLQuantizationType[entry["type"]]
         block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+        width = out.shape[-1]
         raw = self._bytes[entry["offset"]:entry["offset"] + entry["bytes"]]
-        rows = raw.reshape(-1, shape[-1] // block * block_bytes)
-        into, step = target.view(-1, shape[-1]), max(1, CHUNK_BYTES // (shape[-1] * 4))
-        for start in range(0, rows.shape[0], step):
-            into[start:start + step].copy_(torch.from_numpy(gguf.quants.dequantize(rows[start:start + step], kind)))
-        self._read_last = (entry["offset"], entry["bytes"])
-        return True
+        rows = raw.reshape(-1, width // block * block_bytes)
+        into, step = out.view(-1, width), max(1, CHUNK_BYTES // (width * 4))
+        try:
+            for start in range(0, rows.shape[0], step):
+                into[start:start + step].copy_(torch.from_numpy(gguf.quants.dequantize(rows[start:start + step], kind)))
+        except NotImplementedError:
+            raise ValueError(f"{self.source}: tensor {stored} is {kind.name}, which gguf-py cannot "
+                             "dequantize") from None
+        return out
+
+    def _permuted(self, name: str) -> bool:
+        """Whether the converter permuted this tensor's rows (llama.cpp's "normal" rope: llama, llada)."""
+        return self.arch in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias"))
 
     def _release(self) -> None:
         """Let the last tensor's pages of the file go (read again from the file if touched): the file's

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kstep.gguf.config import hf_config
 from kstep.gguf.reader import GGUFFile
-from kstep.gguf.tensors import GGUFTensors
+from kstep.gguf.tensors import FLOATS, GGUFTensors
 from kstep.gguf.vocab import tokenizer_files
 
 MARKER = "gguf_file.json"
@@ -104,22 +104,15 @@ def _tensor_table(file: GGUFFile) -> dict:
                      "bytes": int(t.n_bytes)} for t in file.tensors.values()}
 
 
-FLOATS = ("F32", "F16", "BF16")
-
-
 def _quantization(file: GGUFFile) -> dict:
     """The kstep type nearest a quantized file's matrices that keeps their memory size: int8 for 8-bit
     types (Q8_0), int4 below; none for float files. And the types, for the notice."""
-    kinds: dict[str, int] = {}
-    for tensor in file.tensors.values():
-        if len(tensor.shape) >= 2:
-            kinds[tensor.tensor_type.name] = kinds.get(tensor.tensor_type.name, 0) + 1
+    kinds = file.matrix_types()
     quantized = [kind for kind in kinds if kind not in FLOATS]
     if not quantized:
         return {}
     mode = "int8" if all(kind.startswith("Q8") for kind in quantized) else "int4"
-    counted = sorted(kinds.items(), key=lambda kind_count: -kind_count[1])
-    return {"quantize": mode, "types": ", ".join(f"{kind} x {n}" for kind, n in counted)}
+    return {"quantize": mode, "types": ", ".join(f"{kind} x {n}" for kind, n in kinds.items())}
 
 
 @functools.cache

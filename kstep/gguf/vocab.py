@@ -7,16 +7,22 @@ from kstep.gguf.reader import GGUFFile
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (gguf.TokenType)
 
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-_SPLIT_THEN_BYTES = lambda pattern: {"type": "Sequence", "pretokenizers": [  # noqa: E731
-    {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
-    {**_BYTE_LEVEL, "use_regex": False}]}
+
+
+def _split_then_bytes(pattern: str) -> dict:
+    """A Split on the regex, then byte-level without its own regex (how Qwen2's and Llama 3's ship)."""
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+        {**_BYTE_LEVEL, "use_regex": False}]}
+
+
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
            r"\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = {
     "gpt-2": _BYTE_LEVEL,
-    "qwen2": _SPLIT_THEN_BYTES(_LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")),
-    "llama-bpe": _SPLIT_THEN_BYTES(_LLAMA3),
-    "llama3": _SPLIT_THEN_BYTES(_LLAMA3),
+    "qwen2": _split_then_bytes(_LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")),
+    "llama-bpe": _split_then_bytes(_LLAMA3),
+    "llama3": _split_then_bytes(_LLAMA3),
     "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
 }
 IGNORES_MERGES = ("llama-bpe", "llama3")  # llama.cpp's LLAMA3 type: a whole word in the vocabulary is one token

@@ -126,8 +126,10 @@ def compare(checkpoint: Path, weights: str, prompt: list[int], max_tokens: int, 
     # row is read as the range of its interleaved rounds' ratios, not as one median
     k_rounds, l_rounds = [steps / r[2] for r in ours], [steps / s for s in theirs["decode_seconds"]]
     same = next((i for i, (a, b) in enumerate(zip(ours[-1][0], theirs["ids"])) if a != b), None)
-    return {"checkpoint": str(gguf if gguf.parent != work else checkpoint), "weights": weights,
-            "gguf_type": _file_type(gguf), "threads": threads,
+    from kstep.gguf.reader import GGUFFile
+    from kstep.gguf.view import gguf_source
+    return {"checkpoint": str(gguf_source(checkpoint) or checkpoint), "weights": weights,
+            "gguf_type": "+".join(GGUFFile(gguf).matrix_types()).lower(), "threads": threads,
             "prompt_tokens": P, "max_tokens": max_tokens, "repeats": repeats,
             "kstep_prompt_tps": k_pp, "llamacpp_prompt_tps": l_pp, "prompt_ratio": k_pp / l_pp,
             "kstep_decode_tps": k_tg, "llamacpp_decode_tps": l_tg, "decode_ratio": k_tg / l_tg,
@@ -153,12 +155,3 @@ def format_table(rows: list[dict]) -> str:
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     return "\n".join([head] + [format_row(r) for r in rows])
 
-
-def _file_type(gguf_file: Path) -> str:
-    """The file's matrices' types, most common first (e.g. "q4_1+q8_0")."""
-    import gguf
-    kinds: dict[str, int] = {}
-    for tensor in gguf.GGUFReader(gguf_file).tensors:
-        if len(tensor.shape) >= 2:
-            kinds[tensor.tensor_type.name.lower()] = kinds.get(tensor.tensor_type.name.lower(), 0) + 1
-    return "+".join(sorted(kinds, key=lambda kind: -kinds[kind]))
