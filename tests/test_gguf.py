@@ -71,6 +71,62 @@ def test_the_gguf_tokenizer_encodes_and_decodes_as_the_checkpoints(tmp_path):
         assert converted.special_id(name) == original.special_id(name)
 
 
+# llama.cpp's own pre-tokenizer regexes (src/llama-vocab.cpp, llama-cpp-python 0.3.36's tree): smollm runs
+# the first, then the gpt-2 one, on each piece
+LLAMA_CPP_REGEXES = {
+    "gpt-2": [r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"],
+    "qwen2": [r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+              r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "llama-bpe": [r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
+                  r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "smollm": [r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"],
+}
+
+
+def _llama_cpp_split(text: str, patterns: list[str]) -> list[str]:
+    """llama.cpp's unicode_regex_split: each regex splits every piece into its matches and the text between."""
+    import regex
+    pieces = [text]
+    for pattern in patterns:
+        split = []
+        for piece in pieces:
+            at = 0
+            for match in regex.finditer(pattern, piece):
+                split += [piece[at:match.start()]] if match.start() > at else []
+                split.append(match.group())
+                at = match.end()
+            split += [piece[at:]] if at < len(piece) else []
+        pieces = split
+    return pieces
+
+
+@pytest.mark.parametrize("pre", sorted(LLAMA_CPP_REGEXES))
+def test_each_pre_tokenizer_splits_text_as_llama_cpp_does(pre, tmp_path):
+    """The tokenizer.json a file's `tokenizer.ggml.pre` becomes splits text into the pieces llama.cpp's
+    regexes for that name do (digits alone, in threes or in runs; contractions; spaces; newlines)."""
+    from tokenizers import Tokenizer
+    from kstep.gguf.reader import GGUFFile
+    from kstep.gguf.vocab import tokenizer_files
+    path = write_gguf(BUNDLED_DIR / "default-ar", tmp_path / "a.gguf", "llama", pre=pre)
+    tokenizer = Tokenizer.from_str(json.dumps(tokenizer_files(GGUFFile(path))[0]))
+    text = "Hello world's 12345 items,\n\n  they'RE  x=42;\tdone!! 3.14 \u00e9t\u00e9"
+    pieces = [piece for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+    expected = [_byte_level(piece) for piece in _llama_cpp_split(text, LLAMA_CPP_REGEXES[pre])]
+    assert pieces == expected
+
+
+def _byte_level(text: str) -> str:
+    """GPT-2's bytes_to_unicode of the UTF-8 bytes: how a byte-level pre-tokenizer shows a piece."""
+    shown = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in shown:
+            table[b] = chr(b)
+        else:
+            table[b], extra = chr(256 + extra), extra + 1
+    return "".join(table[b] for b in text.encode())
+
+
 @pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_quantized_tensors_load_as_gguf_py_dequantizes_them(kind, tmp_path):
     path = write_gguf(BUNDLED_DIR / "default-ar", tmp_path / "q.gguf", "llama", kind)

@@ -25,6 +25,7 @@ PRE_TOKENIZERS = {
     "llama3": _split_then_bytes(_LLAMA3),
     "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
 }
+NFC = ("qwen2",)  # Qwen2's tokenizer.json normalizes to NFC first (llama.cpp does not: the same ids for NFC text)
 IGNORES_MERGES = ("llama-bpe", "llama3")  # llama.cpp's LLAMA3 type: a whole word in the vocabulary is one token
 
 
@@ -46,7 +47,8 @@ def tokenizer_files(file: GGUFFile) -> tuple[dict, dict]:
     bos = file.get("tokenizer.ggml.bos_token_id")
     add_bos = bool(file.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
     tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": {"type": "NFC"} if pre in NFC else None,
         "pre_tokenizer": PRE_TOKENIZERS[pre],
         "post_processor": _bos_template(tokens[bos], bos) if add_bos else None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
