@@ -55,13 +55,22 @@ def scattered_cache(model):
     return kv
 
 
+def layers_run_in_c(monkeypatch) -> list[int]:
+    """A list that grows by each C call's number of layers (one call per pass over the whole stack, or
+    one per layer where a layer takes torch's path)."""
+    calls = []
+    real = cpu_decode.forward_stack
+    monkeypatch.setattr(cpu_decode, "forward_stack", lambda stack, *a: calls.append(stack.n) or real(stack, *a))
+    return calls
+
+
 def decode(model, prompt, steps, monkeypatch, in_c, tokens=None, cache=empty_cache):
     """Hidden states of `steps` one-token passes after a prompt pass (several rows: torch's path
     either way), each token the previous pass's greedy pick, or `tokens` where given (the other path's
     picks: two paths a last bit apart may break a near-tie apart); the cache they leave; the tokens."""
     with monkeypatch.context() as m:
         if not in_c:
-            m.setattr(cpu_decode, "plan", lambda *args: None)
+            m.setattr(cpu_decode, "ENABLED", False)
         caches, states, picked = cache(model), [], []
         with torch.inference_mode():
             ids = torch.tensor([prompt])
@@ -87,11 +96,9 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_c_block_gives_the_torch_blocks_states_and_cache(variant, monkeypatch):
     model = random_model(**VARIANTS[variant])
-    calls = []
-    real_forward = cpu_decode.forward
-    monkeypatch.setattr(cpu_decode, "forward", lambda *a: calls.append(1) or real_forward(*a))
+    calls = layers_run_in_c(monkeypatch)
     got, got_cache, tokens = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=True)
-    assert len(calls) == 6 * model.cfg.n_layers  # every decode pass of every layer ran in C
+    assert calls == [model.cfg.n_layers] * 6  # every decode pass ran every layer in one C call
     want, want_cache, _ = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=False, tokens=tokens)
     # int8: the GEMV rounds its input to int16 per block, so the attention's last-bit differences
     # (the order of its sums) can move a code by one: ~1e-4 here, against int8's own error of ~0.07
@@ -108,18 +115,47 @@ def test_the_c_block_walks_a_scattered_caches_table_as_it_reads_a_view(monkeypat
     """Pages out of order: the C block reads them through the row's slot index, with the bits of a
     cache on one run of pages (the same sums in the same order), and as torch's gathered path does."""
     model = random_model()
-    calls = []
-    real_forward = cpu_decode.forward
-    monkeypatch.setattr(cpu_decode, "forward", lambda *a: calls.append(1) or real_forward(*a))
+    calls = layers_run_in_c(monkeypatch)
     view, view_cache, tokens = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=True)
     got, got_cache, _ = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=True, tokens=tokens, cache=scattered_cache)
-    assert len(calls) == 2 * 6 * model.cfg.n_layers  # both ran in C
+    assert calls == [model.cfg.n_layers] * 12  # both ran in C
     torch.testing.assert_close(got, view, rtol=0, atol=0)
     want, want_cache, _ = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=False, tokens=tokens, cache=scattered_cache)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for i in range(model.cfg.n_layers):
         assert torch.equal(got_cache.read(i, 0, SLOTS)[0], view_cache.read(i, 0, SLOTS)[0])
 
+
+
+def test_a_layer_on_torchs_path_leaves_the_others_in_c_one_call_each(monkeypatch):
+    """A sparse MoE layer takes torch's path: the stack is not one C call, the dense layer before it
+    still runs in C, alone, with the torch path's states."""
+    cfg = random_config("llada2_moe", 600, d_model=768, n_layers=2, n_heads=12, head_dim=64, num_experts=8,
+                        expert_dim=64, dense_layers=1, ffn_dim=1024)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05) if p.dim() == 2 else p.uniform_(0.8, 1.2)
+    model.fuse_projections()
+    calls = layers_run_in_c(monkeypatch)
+    got, _, tokens = decode(model, [5, 6, 7], 4, monkeypatch, in_c=True)
+    assert calls == [1] * 4  # layer 0 in C on each pass, layer 1 in torch
+    want, _, _ = decode(model, [5, 6, 7], 4, monkeypatch, in_c=False, tokens=tokens)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_stacks_c_call_is_kept_until_the_cache_pages_change():
+    model = random_model()
+    kv = scattered_cache(model)
+    x, segments = torch.randn(1, 768), [Segment(0, 1, 1, cache=kv, cache_start=3)]
+    with torch.inference_mode():
+        first = cpu_decode.plan_stack(model.layers, x, segments, None)
+        assert first is not None and cpu_decode.plan_stack(model.layers, x, segments, None) is first
+        kv.tables = [[0, 5, 3, 1, 4, 2]]
+        kv.reindex()  # new pages: a new slot index for the C to walk
+        again = cpu_decode.plan_stack(model.layers, x, segments, None)
+        assert again is not first and again.slots == kv.slots.data_ptr()
 
 # How far the two paths' logits may differ. float32: the order of the sums in the attention and the
 # exp in SiLU and softmax, ~2e-5 measured. int8: the GEMV rounds its input to int16 per block (both
@@ -155,20 +191,18 @@ def test_a_model_on_the_c_block_gives_the_torch_paths_greedy_tokens(quantize, tm
                                    n_kv_heads=2, ffn_dim=1024)
     llm = kstep.load(path, quantize=quantize)
     prompt, tol = [1, 2, 3], LOGIT_TOLERANCE[quantize]
-    calls = []
-    real_forward = cpu_decode.forward
-    monkeypatch.setattr(cpu_decode, "forward", lambda *a: calls.append(1) or real_forward(*a))
+    calls = layers_run_in_c(monkeypatch)
     got, got_logits = generate_recording_logits(llm, prompt, 16)
-    assert len(calls) == 15 * 2  # the 15 one-token passes after the prompt's, in both layers, ran in C
+    assert calls == [2] * 15  # the 15 one-token passes after the prompt's, both layers in C
     assert got_logits.shape[0] == len(got)  # one pick per pass
     top2 = got_logits.topk(2, -1).values
     margins = top2[:, 0] - top2[:, 1]
     # the C path's numerics do not depend on the CPU (built for AVX2 everywhere): this model and prompt
     # were picked for a smallest margin of 0.16 (float32) and 0.195 (int8), 10x what this needs
     assert (margins > 2 * tol).all(), f"a near-tie: this model and prompt prove nothing, margins {margins}"
-    monkeypatch.setattr(cpu_decode, "plan", lambda *args: None)
+    monkeypatch.setattr(cpu_decode, "ENABLED", False)
     want, want_logits = generate_recording_logits(llm, prompt, 16)
-    assert len(calls) == 15 * 2  # this time none ran in C
+    assert calls == [2] * 15  # this time none ran in C
     same_prefix = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(got)) + 1
     diff = (got_logits[:same_prefix] - want_logits[:same_prefix]).abs().amax(-1)
     assert (diff <= tol).all(), f"logits apart by {diff} (tolerance {tol})"

@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "cpu_kernels.h"
 
 // The layout of kstep_proj and kstep_layer (cpu_kernels.h) that cpu_decode.py compares with its
@@ -38,16 +40,41 @@ long kstep_decode_layout(long *out, long n) {
     return count;
 }
 
-// The parts' outputs one after another in y, each from x (in wide).
-static void project(const kstep_proj *parts, int n, const float *x, long in, float *y, int threads) {
-    for (int p = 0; p < n; p++) {
+// The rows of one stage's parts (outputs one after another in y) from x (in wide; xq, xscale: its int16
+// form, made where a part is int8), this thread's share: the parts' groups of GROUP rows, split evenly
+// over the team. Each row's sum is the GEMVs' own (cpu_kernels.h), so the split never changes a bit.
+static void project_share(const kstep_proj *parts, int n, const float *x, const int16_t *xq, const float *xscale,
+                          long in, float *y) {
+    long units = 0;
+    for (int p = 0; p < n; p++) units += (parts[p].out + GROUP - 1) / GROUP;
+    int t = omp_get_thread_num(), team = omp_get_num_threads();
+    long lo = units * t / team, hi = units * (t + 1) / team, base = 0;
+    for (int p = 0; p < n && base < hi; p++) {
         const kstep_proj *q = &parts[p];
-        if (q->scales)
-            kstep_gemv_i8(x, 1, q->weight, q->scales, q->bias, y, q->out, in, threads);
-        else
-            kstep_gemv_f32(x, 1, q->weight, q->bias, y, q->out, in, threads);
+        long groups = (q->out + GROUP - 1) / GROUP, first = lo > base ? lo - base : 0;
+        long last = hi - base < groups ? hi - base : groups;
+        for (long g = first; g < last; g++) {
+            long o = g * GROUP, rows = q->out - o < GROUP ? q->out - o : GROUP;
+            if (q->scales) {
+                for (long k = o; k < o + rows; k++) {
+                    float v = kstep_dot_i8((const int8_t *)q->weight + k * in, xq, xscale, x, in);
+                    y[k] = v * q->scales[k] + (q->bias ? q->bias[k] : 0.0f);
+                }
+            } else {
+                float s[GROUP];
+                kstep_dot_f32((const float *)q->weight + o * in, rows, in, x, s);
+                for (long k = 0; k < rows; k++) y[o + k] = s[k] + (q->bias ? q->bias[o + k] : 0.0f);
+            }
+        }
+        base += groups;
         y += q->out;
     }
+}
+
+static int any_int8(const kstep_proj *parts, int n) {
+    for (int p = 0; p < n; p++)
+        if (parts[p].scales) return 1;
+    return 0;
 }
 
 // Rotary in the half-split layout over the first `width` dims (apply_rotary): x * cos + rotated * sin,
@@ -95,50 +122,87 @@ static void attend_head(const float *q, const float *k, const float *v, const lo
     }
 }
 
-// x (dim) -> y (dim) through the block for the token at cache slot `slot`, attending to slots
-// [0, length) of this layer's cache (k_cache, v_cache: (kv_heads, S_max, hd), contiguous); its keys and
-// values are written there first. With `slots` (a page table's physical slot of each logical one, at
-// least `length` of them), logical slot j is row slots[j] of the cache: the pages need not be in a
-// run. cos, sin: the token's rotary rows (rotary_width).
-void kstep_decode_layer(const kstep_layer *L, const float *x, float *y, const float *cos_, const float *sin_,
-                        float *k_cache, float *v_cache, long cache_slots, const long *slots, long slot, long length,
-                        int threads) {
-    long d = L->dim, H = L->heads, Hkv = L->kv_heads, hd = L->head_dim, ffn = L->ffn;
-    long qkv_width = (H + 2 * Hkv) * hd;
-    float *buf = malloc(sizeof(float) * (2 * d + qkv_width + H * hd + 2 * ffn + d + H * length));
-    float *h = buf, *x1 = h + d, *qkv = x1 + d, *att = qkv + qkv_width, *gu = att + H * hd, *o = gu + 2 * ffn;
-    float *scores = o + d;
-
-    kstep_rms_norm_f32(x, NULL, NULL, L->attn_norm, h, 1, d, L->norm_eps);
-    project(L->proj, L->qkv_parts, h, d, qkv, threads);
-    float *q = qkv, *k = qkv + H * hd, *v = k + Hkv * hd;
-    if (L->q_norm) {  // Qwen3's RMSNorm over each query and key head, in place
-        kstep_rms_norm_f32(q, NULL, NULL, L->q_norm, q, H, hd, L->qk_norm_eps);
-        kstep_rms_norm_f32(k, NULL, NULL, L->k_norm, k, Hkv, hd, L->qk_norm_eps);
+// x (dim) -> x through layers[0..n) for the token at cache slot `slot`, each attending to slots
+// [0, length) of its cache (k_caches[l], v_caches[l]: (kv_heads, cache_slots[l], hd) with each head's
+// slots contiguous); the token's keys and values are written there first. With `slots` (a page table's
+// physical slot of each logical one, at least `length` of them), logical slot j is row slots[j]: the
+// pages need not be in a run. cos, sin: the token's rotary rows (rotary_width).
+//
+// One OpenMP team for all the layers, which splits each stage's rows and the attention's heads and
+// meets at a barrier between stages (a fork and join per GEMV cost a small model 20% of its step); the
+// few-KB steps between (norms, rotary, the cache write, SiLU, rounding x to int16) run on one thread.
+void kstep_decode_layers(const kstep_layer *layers, long n, float *x, const float *cos_, const float *sin_,
+                         float *const *k_caches, float *const *v_caches, const long *cache_slots, const long *slots,
+                         long slot, long length, int threads) {
+    long most = 0, score_room = 0;  // the widest vector any stage reads or writes, the attention's scores
+    for (long l = 0; l < n; l++) {
+        const kstep_layer *L = &layers[l];
+        long widths[] = {L->dim, (L->heads + 2 * L->kv_heads) * L->head_dim, L->heads * L->head_dim, 2 * L->ffn};
+        for (int i = 0; i < 4; i++) most = widths[i] > most ? widths[i] : most;
+        score_room = L->heads * length > score_room ? L->heads * length : score_room;
     }
-    for (long i = 0; i < H + Hkv; i++) rotate(qkv + i * hd, cos_, sin_, L->rotary_width);  // queries, then keys
+    float *buf = malloc(sizeof(float) * (6 * most + score_room + most / QBLOCK + 1));
+    int16_t *xq = malloc(sizeof(int16_t) * most + 32);
+    float *h = buf, *x1 = h + most, *qkv = x1 + most, *att = qkv + most, *gu = att + most, *o = gu + most;
+    float *scores = o + most, *xscale = scores + score_room;
     long row = slots ? slots[slot] : slot;
-    for (long g = 0; g < Hkv; g++) {
-        memcpy(k_cache + (g * cache_slots + row) * hd, k + g * hd, sizeof(float) * hd);
-        memcpy(v_cache + (g * cache_slots + row) * hd, v + g * hd, sizeof(float) * hd);
+#pragma omp parallel num_threads(threads)
+    for (long l = 0; l < n; l++) {
+        const kstep_layer *L = &layers[l];
+        long d = L->dim, H = L->heads, Hkv = L->kv_heads, hd = L->head_dim, ffn = L->ffn, group = H / Hkv;
+        const kstep_proj *qkv_parts = L->proj, *o_proj = qkv_parts + L->qkv_parts, *gate_up = o_proj + 1;
+        const kstep_proj *down = gate_up + L->gate_up_parts;
+        float *q = qkv, *k = qkv + H * hd, *v = k + Hkv * hd, *k_cache = k_caches[l], *v_cache = v_caches[l];
+#pragma omp single
+        {
+            kstep_rms_norm_f32(x, NULL, NULL, L->attn_norm, h, 1, d, L->norm_eps);
+            if (any_int8(qkv_parts, L->qkv_parts)) kstep_quantize_i16(h, d, xq, xscale);
+        }
+        project_share(qkv_parts, L->qkv_parts, h, xq, xscale, d, qkv);
+#pragma omp barrier
+#pragma omp single
+        {
+            if (L->q_norm) {  // Qwen3's RMSNorm over each query and key head, in place
+                kstep_rms_norm_f32(q, NULL, NULL, L->q_norm, q, H, hd, L->qk_norm_eps);
+                kstep_rms_norm_f32(k, NULL, NULL, L->k_norm, k, Hkv, hd, L->qk_norm_eps);
+            }
+            for (long i = 0; i < H + Hkv; i++) rotate(qkv + i * hd, cos_, sin_, L->rotary_width);  // queries, keys
+            for (long g = 0; g < Hkv; g++) {
+                memcpy(k_cache + (g * cache_slots[l] + row) * hd, k + g * hd, sizeof(float) * hd);
+                memcpy(v_cache + (g * cache_slots[l] + row) * hd, v + g * hd, sizeof(float) * hd);
+            }
+        }
+        float scale = 1.0f / sqrtf((float)hd);
+#pragma omp for schedule(static)
+        for (long i = 0; i < H; i++) {
+            long g = i / group;
+            attend_head(q + i * hd, k_cache + g * cache_slots[l] * hd, v_cache + g * cache_slots[l] * hd, slots,
+                        length, hd, scale, scores + i * length, att + i * hd);
+        }
+#pragma omp single
+        if (any_int8(o_proj, 1)) kstep_quantize_i16(att, H * hd, xq, xscale);
+        project_share(o_proj, 1, att, xq, xscale, H * hd, o);
+#pragma omp barrier
+#pragma omp single
+        {
+            kstep_rms_norm_f32(x, o, x1, L->mlp_norm, h, 1, d, L->norm_eps);  // x1 = x + attention, h = its norm
+            if (any_int8(gate_up, L->gate_up_parts)) kstep_quantize_i16(h, d, xq, xscale);
+        }
+        project_share(gate_up, L->gate_up_parts, h, xq, xscale, d, gu);
+#pragma omp barrier
+#pragma omp single
+        {
+            for (long i = 0; i < ffn; i++) {  // silu(gate) * up, each rounded as torch's two ops
+                float gate = gu[i], act = gate / (1.0f + expf(-gate));
+                gu[i] = act * gu[ffn + i];
+            }
+            if (any_int8(down, 1)) kstep_quantize_i16(gu, ffn, xq, xscale);
+        }
+        project_share(down, 1, gu, xq, xscale, ffn, o);
+#pragma omp barrier
+#pragma omp single
+        for (long i = 0; i < d; i++) x[i] = x1[i] + o[i];
     }
-    float scale = 1.0f / sqrtf((float)hd);
-    long group = H / Hkv;
-#pragma omp parallel for num_threads(threads) schedule(static) if (H * length * hd > 65536)
-    for (long i = 0; i < H; i++) {
-        long g = i / group;
-        attend_head(q + i * hd, k_cache + g * cache_slots * hd, v_cache + g * cache_slots * hd, slots, length, hd,
-                    scale, scores + i * length, att + i * hd);
-    }
-    const kstep_proj *o_proj = &L->proj[L->qkv_parts];
-    project(o_proj, 1, att, H * hd, o, threads);
-    kstep_rms_norm_f32(x, o, x1, L->mlp_norm, h, 1, d, L->norm_eps);  // x1 = x + attention, h = its norm
-    project(o_proj + 1, L->gate_up_parts, h, d, gu, threads);
-    for (long i = 0; i < ffn; i++) {  // silu(gate) * up, each rounded as torch's two ops
-        float g = gu[i], act = g / (1.0f + expf(-g));
-        gu[i] = act * gu[ffn + i];
-    }
-    project(o_proj + 1 + L->gate_up_parts, 1, gu, ffn, o, threads);
-    for (long i = 0; i < d; i++) y[i] = x1[i] + o[i];
+    free(xq);
     free(buf);
 }

@@ -28,27 +28,6 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torc
     return (uint16_t)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);
 }
 
-#define GROUP 4  // weight rows read side by side
-
-// ---- float32 weights, float32 activations ----
-// The `n` (<= GROUP) rows from w, `in` apart, against x: sums into s[0..n).
-static void dot_f32(const float *w, long n, long in, const float *x, float *s) {
-    const float *r[GROUP];
-    for (int k = 0; k < GROUP; k++) r[k] = w + (k < n ? k : 0) * in;  // a short group repeats row 0, unused
-    __m256 a[GROUP];
-    for (int k = 0; k < GROUP; k++) a[k] = _mm256_setzero_ps();
-    long i = 0;
-    for (; i + 8 <= in; i += 8) {
-        __m256 xv = _mm256_loadu_ps(x + i);
-        for (int k = 0; k < GROUP; k++) a[k] = _mm256_fmadd_ps(_mm256_loadu_ps(r[k] + i), xv, a[k]);
-    }
-    for (int k = 0; k < n; k++) {
-        float t = hsum(a[k]);
-        for (long j = i; j < in; j++) t += r[k][j] * x[j];
-        s[k] = t;
-    }
-}
-
 void kstep_gemv_f32(const float *x, long m, const float *w, const float *bias, float *y, long out, long in,
                     int threads) {
     long groups = (out + GROUP - 1) / GROUP;
@@ -57,7 +36,7 @@ void kstep_gemv_f32(const float *x, long m, const float *w, const float *bias, f
         long o = g * GROUP, n = out - o < GROUP ? out - o : GROUP;
         for (long r = 0; r < m; r++) {
             float s[GROUP];
-            dot_f32(w + o * in, n, in, x + r * in, s);
+            kstep_dot_f32(w + o * in, n, in, x + r * in, s);
             for (long k = 0; k < n; k++) y[r * out + o + k] = s[k] + (bias ? bias[o + k] : 0.0f);
         }
     }
@@ -110,53 +89,19 @@ void kstep_gemv_bf16(const uint16_t *x, long m, const uint16_t *w, const uint16_
 }
 
 // ---- int8 weights (one float scale per output row), float32 activations ----
-// x is rounded to int16 per block of QBLOCK elements (a scale each: relative error under 2e-5 of the
-// block's largest value), so a weight costs a sign extension and half a multiply-add of 16-bit pairs
-// instead of two conversions to float. A block's int32 sums cannot overflow: 127 * 32767 * QBLOCK / 8.
-#define QBLOCK 256
-static inline __m256i madd_i8_i16(const int8_t *w, const int16_t *x) {
-    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)),
-                             _mm256_loadu_si256((const __m256i *)x));
-}
-
+// x rounded to int16 per block (kstep_quantize_i16), each row's sums in kstep_dot_i8 (cpu_kernels.h).
 void kstep_gemv_i8(const float *x, long m, const int8_t *w, const float *scales, const float *bias, float *y,
                    long out, long in, int threads) {
-    long nq = (in + QBLOCK - 1) / QBLOCK, vec = in & ~15L;
+    long nq = (in + QBLOCK - 1) / QBLOCK;
     int16_t *xq = malloc(sizeof(int16_t) * m * in + 32);
     float *xscale = malloc(sizeof(float) * m * nq);
-    for (long r = 0; r < m; r++)
-        for (long q = 0; q < nq; q++) {
-            long lo = q * QBLOCK, hi = lo + QBLOCK < in ? lo + QBLOCK : in;
-            float amax = 0.0f;
-            for (long i = lo; i < hi; i++) amax = fmaxf(amax, fabsf(x[r * in + i]));
-            float s = amax > 0.0f ? amax / 32767.0f : 1.0f, inv = 1.0f / s;
-            xscale[r * nq + q] = s;
-            for (long i = lo; i < hi; i++) xq[r * in + i] = (int16_t)lrintf(x[r * in + i] * inv);
-        }
+    for (long r = 0; r < m; r++) kstep_quantize_i16(x + r * in, in, xq + r * in, xscale + r * nq);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long o = 0; o < out; o++) {
-        const int8_t *wr = w + o * in;
+    for (long o = 0; o < out; o++)
         for (long r = 0; r < m; r++) {
-            const int16_t *xr = xq + r * in;
-            __m256 acc = _mm256_setzero_ps();
-            for (long q = 0; q < nq; q++) {
-                long i = q * QBLOCK, hi = i + QBLOCK < vec ? i + QBLOCK : vec;
-                __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
-                for (; i + 64 <= hi; i += 64) {
-                    s0 = _mm256_add_epi32(s0, madd_i8_i16(wr + i, xr + i));
-                    s1 = _mm256_add_epi32(s1, madd_i8_i16(wr + i + 16, xr + i + 16));
-                    s2 = _mm256_add_epi32(s2, madd_i8_i16(wr + i + 32, xr + i + 32));
-                    s3 = _mm256_add_epi32(s3, madd_i8_i16(wr + i + 48, xr + i + 48));
-                }
-                for (; i < hi; i += 16) s0 = _mm256_add_epi32(s0, madd_i8_i16(wr + i, xr + i));
-                __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(xscale[r * nq + q]), acc);
-            }
-            float v = hsum(acc);
-            for (long i = vec; i < in; i++) v += (float)wr[i] * x[r * in + i];
+            float v = kstep_dot_i8(w + o * in, xq + r * in, xscale + r * nq, x + r * in, in);
             y[r * out + o] = v * scales[o] + (bias ? bias[o] : 0.0f);
         }
-    }
     free(xscale);
     free(xq);
 }

@@ -5,6 +5,7 @@
 #ifndef KSTEP_CPU_KERNELS_H
 #define KSTEP_CPU_KERNELS_H
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 static inline float hsum(__m256 v) {
@@ -12,6 +13,83 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+// ---- the GEMVs' inner loops, shared by cpu_kernels.c's GEMVs and cpu_decode.c's layers: one copy of
+// each sum, so a projection gives the same bits through either (static inline: not exported) ----
+#define GROUP 4     // float32 weight rows read side by side
+#define QBLOCK 256  // x elements rounded to int16 with one scale (int8 weights)
+
+// The `n` (<= GROUP) float32 rows from w, `in` apart, against x: sums into s[0..n).
+static inline void kstep_dot_f32(const float *w, long n, long in, const float *x, float *s) {
+    const float *r[GROUP];
+    for (int k = 0; k < GROUP; k++) r[k] = w + (k < n ? k : 0) * in;  // a short group repeats row 0, unused
+    __m256 a[GROUP];
+    for (int k = 0; k < GROUP; k++) a[k] = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= in; i += 8) {
+        __m256 xv = _mm256_loadu_ps(x + i);
+        for (int k = 0; k < GROUP; k++) a[k] = _mm256_fmadd_ps(_mm256_loadu_ps(r[k] + i), xv, a[k]);
+    }
+    for (int k = 0; k < n; k++) {
+        float t = hsum(a[k]);
+        for (long j = i; j < in; j++) t += r[k][j] * x[j];
+        s[k] = t;
+    }
+}
+
+// x (in) rounded to int16 per block of QBLOCK (xscale: a scale each, max|x| / 32767, relative error under
+// 2e-5 of the block's largest value): a weight then costs a sign extension and half a multiply-add of
+// 16-bit pairs instead of two conversions to float. Vectorized, the same values as the scalar
+// lrintf(x * (1 / scale)) (round to nearest even); max ignores NaNs as fmaxf does.
+static inline void kstep_quantize_i16(const float *x, long in, int16_t *xq, float *xscale) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (long lo = 0, q = 0; lo < in; lo += QBLOCK, q++) {
+        long hi = lo + QBLOCK < in ? lo + QBLOCK : in, i = lo;
+        __m256 m = _mm256_setzero_ps();
+        for (; i + 8 <= hi; i += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), m);
+        float lanes[8], amax = 0.0f;
+        _mm256_storeu_ps(lanes, m);
+        for (int k = 0; k < 8; k++) amax = fmaxf(amax, lanes[k]);
+        for (; i < hi; i++) amax = fmaxf(amax, fabsf(x[i]));
+        float s = amax > 0.0f ? amax / 32767.0f : 1.0f, inv = 1.0f / s;
+        xscale[q] = s;
+        __m256 vinv = _mm256_set1_ps(inv);
+        for (i = lo; i + 8 <= hi; i += 8) {
+            __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv));
+            _mm_storeu_si128((__m128i *)(xq + i),
+                             _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+        }
+        for (; i < hi; i++) xq[i] = (int16_t)lrintf(x[i] * inv);
+    }
+}
+
+static inline __m256i kstep_madd_i8_i16(const int8_t *w, const int16_t *x) {
+    return _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)),
+                             _mm256_loadu_si256((const __m256i *)x));
+}
+
+// One int8 row wr (in) against x (in; xq, xscale: its int16 form): int32 sums per block (no overflow:
+// 127 * 32767 * QBLOCK / 8), scaled and summed in float32; the last in % 16 elements against x itself.
+static inline float kstep_dot_i8(const int8_t *wr, const int16_t *xq, const float *xscale, const float *x, long in) {
+    long vec = in & ~15L;
+    __m256 acc = _mm256_setzero_ps();
+    for (long q = 0, i = 0; i < vec; q++) {
+        long hi = i + QBLOCK < vec ? i + QBLOCK : vec;
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+        for (; i + 64 <= hi; i += 64) {
+            s0 = _mm256_add_epi32(s0, kstep_madd_i8_i16(wr + i, xq + i));
+            s1 = _mm256_add_epi32(s1, kstep_madd_i8_i16(wr + i + 16, xq + i + 16));
+            s2 = _mm256_add_epi32(s2, kstep_madd_i8_i16(wr + i + 32, xq + i + 32));
+            s3 = _mm256_add_epi32(s3, kstep_madd_i8_i16(wr + i + 48, xq + i + 48));
+        }
+        for (; i < hi; i += 16) s0 = _mm256_add_epi32(s0, kstep_madd_i8_i16(wr + i, xq + i));
+        __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(xscale[q]), acc);
+    }
+    float v = hsum(acc);
+    for (long i = vec; i < in; i++) v += (float)wr[i] * x[i];
+    return v;
 }
 
 // ---- cpu_kernels.c ----
@@ -61,10 +139,10 @@ typedef struct {
     kstep_proj proj[MAX_PARTS];
 } kstep_layer;
 
-// One transformer block for one token against a KV cache (see cpu_decode.c).
-void kstep_decode_layer(const kstep_layer *L, const float *x, float *y, const float *cos_, const float *sin_,
-                        float *k_cache, float *v_cache, long cache_slots, const long *slots, long slot, long length,
-                        int threads);
+// A run of transformer blocks for one token, each against its KV cache, x updated in place (see cpu_decode.c).
+void kstep_decode_layers(const kstep_layer *layers, long n, float *x, const float *cos_, const float *sin_,
+                         float *const *k_caches, float *const *v_caches, const long *cache_slots, const long *slots,
+                         long slot, long length, int threads);
 // The two structs' layout as this compiler lays them out: writes up to n of sizeof(kstep_proj), its
 // fields' (offset, size) pairs in declaration order, then the same for kstep_layer, into out; returns
 // how many there are.

@@ -30,8 +30,10 @@ from kstep.layers.cpu_build import build, cpu_has_avx2_fma, notice
 # diffusion block) go to oneDNN/MKL's blocked matrix-matrix kernels.
 MAX_ROWS = 4
 # Weights below this many elements stay on torch's kernels: a small model's weights sit in cache,
-# where MKL's `x @ W` is already fast, and its tests' reference tokens were pinned with it.
-MIN_WEIGHT = 500_000
+# where MKL's `x @ W` is already fast, and its tests' reference tokens were pinned with it. A 576-wide
+# model's 576 x 576 (SmolLM2-135M: 332K, its 540 MB of float32 far from cache) takes the GEMV: its
+# float32 decode went from 20.6 to ~58 tok/s (its whole step then in one C call, cpu_decode.py).
+MIN_WEIGHT = 300_000
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 # The exports' (argument types, result type), as cpu_kernels.h declares them (tests/test_cpu_interface.py
@@ -43,7 +45,7 @@ EXPORTS = {
     "kstep_rms_norm_f32": ([_P, _P, _P, _P, _P, _L, _L, _F], None),
     "kstep_rms_norm_bf16": ([_P, _P, _P, _P, _P, _L, _L, _F], None),
     "kstep_quantize_i8": ([_P, _L, _L, _P, _P, _I], None),
-    "kstep_decode_layer": ([_P, _P, _P, _P, _P, _P, _P, _L, _P, _L, _L, _I], None),
+    "kstep_decode_layers": ([_P, _L, _P, _P, _P, _P, _P, _P, _P, _L, _L, _I], None),
     "kstep_decode_layout": ([_P, _L], _L),
     "kstep_draw": ([_P, _P, _L, _L, _P], _L),
     "kstep_argmax_rows": ([_P, _L, _L, _P, _I], None),

@@ -110,6 +110,9 @@ class Transformer(nn.Module):
             x = x * self.cfg.embed_scale
         cos, sin = self.rotary.tables(positions)  # (N, hd) each
         q_scale = self.rotary.query_scales(positions)  # (N,) or None
+        stack = None if x.is_cuda else cpu_decode.plan_stack(self.layers, x, segments, q_scale)
+        if stack is not None:  # one token on a CPU: every block in one C call
+            return self.norm(cpu_decode.forward_stack(stack, x, cos, sin, segments[0]))
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, segments, i, self.cfg.is_causal, q_scale)
         return self.norm(x)
