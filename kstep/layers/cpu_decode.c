@@ -190,14 +190,13 @@ void kstep_decode_layers(const kstep_layer *layers, long n, float *x, const floa
         }
         project_share(gate_up, L->gate_up_parts, h, xq, xscale, d, gu);
 #pragma omp barrier
-#pragma omp single
-        {
-            for (long i = 0; i < ffn; i++) {  // silu(gate) * up, each rounded as torch's two ops
-                float gate = gu[i], act = gate / (1.0f + expf(-gate));
-                gu[i] = act * gu[ffn + i];
-            }
-            if (any_int8(down, 1)) kstep_quantize_i16(gu, ffn, xq, xscale);
+#pragma omp for schedule(static)
+        for (long i = 0; i < ffn; i++) {  // silu(gate) * up, each rounded as torch's two ops
+            float gate = gu[i], act = gate / (1.0f + expf(-gate));
+            gu[i] = act * gu[ffn + i];
         }
+#pragma omp single
+        if (any_int8(down, 1)) kstep_quantize_i16(gu, ffn, xq, xscale);
         project_share(down, 1, gu, xq, xscale, ffn, o);
 #pragma omp barrier
 #pragma omp single
