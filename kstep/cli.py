@@ -28,7 +28,9 @@ def add_generate(sub) -> None:
                           "default-draft, llada-coder (full-attention diffusion)")
     gen.add_argument("--prompt-ids", type=_ids, action="append", default=[], metavar="1,2,3",
                      help="a prompt as token ids (repeat for a batch)")
-    gen.add_argument("--chat", action="store_true", help="wrap each text prompt in the checkpoint's chat template")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap each text prompt in the checkpoint's chat template (default: on for an instruct "
+                          "model such as smollm2, off otherwise)")
     gen.add_argument("--suffix", default=None, metavar="TEXT",
                      help="infilling (full-attention diffusion models): the text after the gap; the completion "
                           "is the --max-tokens positions between prompt and suffix")
@@ -54,6 +56,7 @@ def add_generate(sub) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from kstep.bundled import INSTRUCT_MODELS
     from kstep.llm import load
     params = params_from_args(args)
     if args.draft == SELF_DRAFT:  # a request knob, not a model to load
@@ -69,7 +72,8 @@ def run_generate(args: argparse.Namespace) -> int:
                tensor_parallel_size=args.tensor_parallel_size,
                distributed_executor_backend=args.distributed_executor_backend or "mp",
                kv_cache_memory=args.kv_cache_memory, memory_utilization=args.memory_utilization)
-    prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompts]
+    chat = args.chat if args.chat is not None else args.model in INSTRUCT_MODELS
+    prompts = [llm.chat_prompt([{"role": "user", "content": p}]) if chat else p for p in args.prompts]
     if args.suffix is not None and args.suffix_ids is not None:
         raise ValueError("--suffix and --suffix-ids: give one")
     suffix = args.suffix_ids if args.suffix_ids is not None else args.suffix

