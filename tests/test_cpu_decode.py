@@ -27,7 +27,7 @@ SLOTS = 24  # cache slots: more than the tokens written, so the C call must stop
 
 
 def random_model(seed=0, n_kv_heads=2, qkv_bias=True, qk_norm=False, rotary_dim=None, fused=True,
-                 int8=False, d_model=768, n_heads=12):
+                 int8=False, d_model=768, n_heads=12, int4=False):
     """A 2-layer model with projections large enough for kstep's GEMVs (cpu_kernels.MIN_WEIGHT)."""
     cfg = random_config("qwen2", 600, d_model=d_model, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
                         ffn_dim=1024, head_dim=64)
@@ -39,8 +39,8 @@ def random_model(seed=0, n_kv_heads=2, qkv_bias=True, qk_norm=False, rotary_dim=
             p.normal_(0.0, 0.05) if p.dim() == 2 else p.uniform_(0.8, 1.2)
     if fused:
         model.fuse_projections()
-    if int8:
-        quantize_model(model, "int8")
+    if int8 or int4:
+        quantize_model(model, "int8" if int8 else "int4")
     return model
 
 
@@ -90,6 +90,7 @@ VARIANTS = {
     "unfused, one head per kv head": {"fused": False, "n_kv_heads": 12},
     "int8": {"int8": True},
     "int8 q/k norm": {"int8": True, "qk_norm": True},
+    "int4": {"int4": True},
 }
 
 
@@ -102,7 +103,7 @@ def test_the_c_block_gives_the_torch_blocks_states_and_cache(variant, monkeypatc
     want, want_cache, _ = decode(model, [5, 6, 7, 8, 9], 6, monkeypatch, in_c=False, tokens=tokens)
     # int8: the GEMV rounds its input to int16 per block, so the attention's last-bit differences
     # (the order of its sums) can move a code by one: ~1e-4 here, against int8's own error of ~0.07
-    tol = 1e-3 if VARIANTS[variant].get("int8") else 1e-4
+    tol = 1e-3 if VARIANTS[variant].get("int8") or VARIANTS[variant].get("int4") else 1e-4
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     for (gk, gv), (wk, wv) in ((c.read(i, 0, SLOTS) for c in (got_cache, want_cache))
                                for i in range(model.cfg.n_layers)):

@@ -25,7 +25,8 @@
 // instead of handing it misplaced pointers.
 #define FIELD(type, field) (long)offsetof(type, field), (long)sizeof(((type *)0)->field)
 static const long layout[] = {
-    sizeof(kstep_proj), FIELD(kstep_proj, weight), FIELD(kstep_proj, scales), FIELD(kstep_proj, bias),
+    sizeof(kstep_proj), FIELD(kstep_proj, weight), FIELD(kstep_proj, scales), FIELD(kstep_proj, low),
+    FIELD(kstep_proj, bias),
     FIELD(kstep_proj, out),
     sizeof(kstep_layer), FIELD(kstep_layer, dim), FIELD(kstep_layer, heads), FIELD(kstep_layer, kv_heads),
     FIELD(kstep_layer, head_dim), FIELD(kstep_layer, rotary_width), FIELD(kstep_layer, ffn),
@@ -40,12 +41,31 @@ long kstep_decode_layout(long *out, long n) {
     return count;
 }
 
-// The rows of one stage's parts (outputs one after another in y) from x (in wide; xq, xscale: its int16
-// form, made where a part is int8), this thread's share: the parts' groups of GROUP rows, split evenly
-// over the team. Each row's sum is the GEMVs' own (cpu_kernels.h), so the split never changes a bit.
-static void project_share(const kstep_proj *parts, int n, const float *x, const int16_t *xq, const float *xscale,
-                          long in, float *y) {
-    long units = 0;
+// A stage's input in the forms its parts read: x itself (float32 weights), its int16 codes per block
+// (int8 and int4 weights), and those in the int4 rows' order with each group's sum (int4 weights).
+typedef struct {
+    const float *x;
+    int16_t *xq, *xq4;
+    float *xscale, *xsum;
+} stage_input;
+
+// Makes the forms of x (in wide) the parts need (one thread).
+static void prepare_input(const kstep_proj *parts, int n, const float *x, long in, stage_input *s) {
+    int codes = 0, int4 = 0;
+    for (int p = 0; p < n; p++) {
+        codes |= parts[p].scales != NULL;
+        int4 |= parts[p].low != NULL;
+    }
+    s->x = x;
+    if (codes) kstep_quantize_i16(x, in, s->xq, s->xscale);
+    if (int4) kstep_int4_x(s->xq, x, in, s->xq4, s->xsum);
+}
+
+// The rows of one stage's parts (outputs one after another in y) from its input (in wide), this
+// thread's share: the parts' groups of GROUP rows, split evenly over the team. Each row's sum is the
+// GEMVs' own (cpu_kernels.h), so the split never changes a bit.
+static void project_share(const kstep_proj *parts, int n, const stage_input *s, long in, float *y) {
+    long units = 0, groups4 = in / I4GROUP;
     for (int p = 0; p < n; p++) units += (parts[p].out + GROUP - 1) / GROUP;
     int t = omp_get_thread_num(), team = omp_get_num_threads();
     long lo = units * t / team, hi = units * (t + 1) / team, base = 0;
@@ -55,26 +75,26 @@ static void project_share(const kstep_proj *parts, int n, const float *x, const 
         long last = hi - base < groups ? hi - base : groups;
         for (long g = first; g < last; g++) {
             long o = g * GROUP, rows = q->out - o < GROUP ? q->out - o : GROUP;
-            if (q->scales) {
+            if (q->low) {
                 for (long k = o; k < o + rows; k++) {
-                    float v = kstep_dot_i8((const int8_t *)q->weight + k * in, xq, xscale, x, in);
+                    float v = kstep_dot_i4((const uint8_t *)q->weight + k * in / 2, q->scales + k * groups4,
+                                           q->low + k * groups4, s->xq4, s->xscale, s->xsum, in);
+                    y[k] = v + (q->bias ? q->bias[k] : 0.0f);
+                }
+            } else if (q->scales) {
+                for (long k = o; k < o + rows; k++) {
+                    float v = kstep_dot_i8((const int8_t *)q->weight + k * in, s->xq, s->xscale, s->x, in);
                     y[k] = v * q->scales[k] + (q->bias ? q->bias[k] : 0.0f);
                 }
             } else {
-                float s[GROUP];
-                kstep_dot_f32((const float *)q->weight + o * in, rows, in, x, s);
-                for (long k = 0; k < rows; k++) y[o + k] = s[k] + (q->bias ? q->bias[o + k] : 0.0f);
+                float sums[GROUP];
+                kstep_dot_f32((const float *)q->weight + o * in, rows, in, s->x, sums);
+                for (long k = 0; k < rows; k++) y[o + k] = sums[k] + (q->bias ? q->bias[o + k] : 0.0f);
             }
         }
         base += groups;
         y += q->out;
     }
-}
-
-static int any_int8(const kstep_proj *parts, int n) {
-    for (int p = 0; p < n; p++)
-        if (parts[p].scales) return 1;
-    return 0;
 }
 
 // Rotary in the half-split layout over the first `width` dims (apply_rotary): x * cos + rotated * sin,
@@ -141,10 +161,11 @@ void kstep_decode_layers(const kstep_layer *layers, long n, float *x, const floa
         for (int i = 0; i < 4; i++) most = widths[i] > most ? widths[i] : most;
         score_room = L->heads * length > score_room ? L->heads * length : score_room;
     }
-    float *buf = malloc(sizeof(float) * (6 * most + score_room + most / QBLOCK + 1));
-    int16_t *xq = malloc(sizeof(int16_t) * most + 32);
+    float *buf = malloc(sizeof(float) * (6 * most + score_room + most / QBLOCK + 1 + most / I4GROUP));
+    int16_t *codes = malloc(sizeof(int16_t) * 2 * most + 64);
     float *h = buf, *x1 = h + most, *qkv = x1 + most, *att = qkv + most, *gu = att + most, *o = gu + most;
-    float *scores = o + most, *xscale = scores + score_room;
+    float *scores = o + most;
+    stage_input in = {NULL, codes, codes + most + 16, scores + score_room, scores + score_room + most / QBLOCK + 1};
     long row = slots ? slots[slot] : slot;
 #pragma omp parallel num_threads(threads)
     for (long l = 0; l < n; l++) {
@@ -156,9 +177,9 @@ void kstep_decode_layers(const kstep_layer *layers, long n, float *x, const floa
 #pragma omp single
         {
             kstep_rms_norm_f32(x, NULL, NULL, L->attn_norm, h, 1, d, L->norm_eps);
-            if (any_int8(qkv_parts, L->qkv_parts)) kstep_quantize_i16(h, d, xq, xscale);
+            prepare_input(qkv_parts, L->qkv_parts, h, d, &in);
         }
-        project_share(qkv_parts, L->qkv_parts, h, xq, xscale, d, qkv);
+        project_share(qkv_parts, L->qkv_parts, &in, d, qkv);
 #pragma omp barrier
 #pragma omp single
         {
@@ -180,15 +201,15 @@ void kstep_decode_layers(const kstep_layer *layers, long n, float *x, const floa
                         length, hd, scale, scores + i * length, att + i * hd);
         }
 #pragma omp single
-        if (any_int8(o_proj, 1)) kstep_quantize_i16(att, H * hd, xq, xscale);
-        project_share(o_proj, 1, att, xq, xscale, H * hd, o);
+        prepare_input(o_proj, 1, att, H * hd, &in);
+        project_share(o_proj, 1, &in, H * hd, o);
 #pragma omp barrier
 #pragma omp single
         {
             kstep_rms_norm_f32(x, o, x1, L->mlp_norm, h, 1, d, L->norm_eps);  // x1 = x + attention, h = its norm
-            if (any_int8(gate_up, L->gate_up_parts)) kstep_quantize_i16(h, d, xq, xscale);
+            prepare_input(gate_up, L->gate_up_parts, h, d, &in);
         }
-        project_share(gate_up, L->gate_up_parts, h, xq, xscale, d, gu);
+        project_share(gate_up, L->gate_up_parts, &in, d, gu);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (long i = 0; i < ffn; i++) {  // silu(gate) * up, each rounded as torch's two ops
@@ -196,12 +217,12 @@ void kstep_decode_layers(const kstep_layer *layers, long n, float *x, const floa
             gu[i] = act * gu[ffn + i];
         }
 #pragma omp single
-        if (any_int8(down, 1)) kstep_quantize_i16(gu, ffn, xq, xscale);
-        project_share(down, 1, gu, xq, xscale, ffn, o);
+        prepare_input(down, 1, gu, ffn, &in);
+        project_share(down, 1, &in, ffn, o);
 #pragma omp barrier
 #pragma omp single
         for (long i = 0; i < d; i++) x[i] = x1[i] + o[i];
     }
-    free(xq);
+    free(codes);
     free(buf);
 }

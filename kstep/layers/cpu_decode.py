@@ -31,7 +31,7 @@ from kstep.layers import cpu_kernels
 from kstep.layers.attention import Attention, Segment
 from kstep.layers.mlp import SwiGLU
 from kstep.layers.norm import RMSNorm
-from kstep.layers.quantized import Int8Linear
+from kstep.layers.quantized import Int4Linear, Int8Linear
 
 MAX_PARTS = 7  # cpu_kernels.h: q/k/v (up to 3), o, gate/up (up to 2), down
 # KSTEP_CPU_DECODE=0 runs the torch block over the same kernels (to measure what this file gains);
@@ -40,8 +40,8 @@ ENABLED = os.environ.get("KSTEP_CPU_DECODE", "1") != "0"
 
 
 class _Proj(ctypes.Structure):
-    _fields_ = [("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("out", ctypes.c_long)]
+    _fields_ = [("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("low", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("out", ctypes.c_long)]
 
 
 class _Layer(ctypes.Structure):
@@ -101,19 +101,24 @@ def _is_f32(t: torch.Tensor | None) -> bool:
 
 
 def _parts(fused: tuple | None, linears: list[nn.Module]) -> list[tuple] | None:
-    """[(tensors to keep alive, weight ptr, scales ptr, bias ptr, rows)] for one stage's projections:
+    """[(tensors to keep alive, weight ptr, scales ptr, low ptr, bias ptr, rows)] for one stage's projections:
     the fused weight where there is one, else each linear; None where one of them cannot run in C."""
     if fused is not None:
         weight, bias = fused
         if not (_is_f32(weight) and _is_f32(bias)):
             return None
-        return [((weight, bias), weight.data_ptr(), None, cpu_kernels._ptr(bias), weight.shape[0])]
+        return [((weight, bias), weight.data_ptr(), None, None, cpu_kernels._ptr(bias), weight.shape[0])]
     out = []
     for m in linears:
         if type(m) is nn.Linear and _is_f32(m.weight) and _is_f32(m.bias):
-            out.append(((m.weight, m.bias), m.weight.data_ptr(), None, cpu_kernels._ptr(m.bias), m.out_features))
+            out.append(((m.weight, m.bias), m.weight.data_ptr(), None, None, cpu_kernels._ptr(m.bias),
+                        m.out_features))
         elif type(m) is Int8Linear and m.weight_int8.is_contiguous() and _is_f32(m.scales) and _is_f32(m.bias):
-            out.append(((m.weight_int8, m.scales, m.bias), m.weight_int8.data_ptr(), m.scales.data_ptr(),
+            out.append(((m.weight_int8, m.scales, m.bias), m.weight_int8.data_ptr(), m.scales.data_ptr(), None,
+                        cpu_kernels._ptr(m.bias), m.out_features))
+        elif type(m) is Int4Linear and m.group_size == cpu_kernels.INT4_GROUP and m.packed.is_contiguous() \
+                and _is_f32(m.scale) and _is_f32(m.low) and _is_f32(m.bias):
+            out.append(((m.packed, m.scale, m.low, m.bias), m.packed.data_ptr(), m.scale.data_ptr(), m.low.data_ptr(),
                         cpu_kernels._ptr(m.bias), m.out_features))
         else:
             return None
@@ -146,8 +151,8 @@ def _describe(block: nn.Module) -> tuple | None:
         layer.q_norm, layer.k_norm, layer.qk_norm_eps = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr(), \
             attn.q_norm.eps
         keep += [attn.q_norm.weight, attn.k_norm.weight]
-    for i, (tensors, weight, scales, bias, rows) in enumerate(p for stage in stages for p in stage):
-        layer.proj[i] = _Proj(weight, scales, bias, rows)
+    for i, (tensors, weight, scales, low, bias, rows) in enumerate(p for stage in stages for p in stage):
+        layer.proj[i] = _Proj(weight, scales, low, bias, rows)
         keep += [t for t in tensors if t is not None]
     return layer, keep
 
@@ -251,14 +256,11 @@ def plan_stack(blocks: nn.ModuleList, x: torch.Tensor, segments: list[Segment],
     (a cache recomputes its slot index, a new tensor, when its page tables change)."""
     if not _one_token(x, segments, q_scale):
         return None
-    described = []
-    for block in blocks:
-        if type(block._modules["attn"]) is not Attention or type(block._modules["mlp"]) is not SwiGLU:
-            return None
-        layer = _layer(block)
-        if layer is None:
-            return None
-        described.append(layer)
+    if any(type(b._modules["attn"]) is not Attention or type(b._modules["mlp"]) is not SwiGLU for b in blocks):
+        return None  # (a sparse MoE layer, for one)
+    described = [_layer(block) for block in blocks]
+    if any(d is None for d in described):
+        return None
     kv = segments[0].cache
     key = (kv.slots, blocks, *described)
     kept = _stacks.get(kv)
@@ -276,11 +278,10 @@ def forward_stack(stack: _Stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.
     """The layers `stack` describes (from `plan_stack`) on x (1, D) for the token at cache slot
     seg.cache_start, writing its keys and values there and attending to the slots before it;
     cos, sin (1, rotary width): the token's rotary rows."""
-    width = cos.shape[-1]
-    if stack.rotary_width != width:
+    if stack.rotary_width != cos.shape[-1]:
+        stack.rotary_width = cos.shape[-1]
         for layer in stack.layers:
-            layer.rotary_width = width
-        stack.rotary_width = width
+            layer.rotary_width = stack.rotary_width
     x = x.contiguous().clone()  # updated in place
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     cpu_kernels.library().kstep_decode_layers(stack.layers, stack.n, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),

@@ -106,6 +106,30 @@ void kstep_gemv_i8(const float *x, long m, const int8_t *w, const float *scales,
     free(xq);
 }
 
+// ---- int4 weights (Int4Linear's layout), float32 activations: x rounded to int16 as for int8, then
+// laid out in the codes' order (kstep_int4_x), each row's sums in kstep_dot_i4 (cpu_kernels.h) ----
+void kstep_gemv_i4(const float *x, long m, const uint8_t *w, const float *scale, const float *low, const float *bias,
+                   float *y, long out, long in, int threads) {
+    long nq = (in + QBLOCK - 1) / QBLOCK, groups = in / I4GROUP;
+    int16_t *xq = malloc(sizeof(int16_t) * m * in + 32), *xq4 = malloc(sizeof(int16_t) * m * in + 32);
+    float *xscale = malloc(sizeof(float) * m * nq), *xsum = malloc(sizeof(float) * m * groups);
+    for (long r = 0; r < m; r++) {
+        kstep_quantize_i16(x + r * in, in, xq + r * in, xscale + r * nq);
+        kstep_int4_x(xq + r * in, x + r * in, in, xq4 + r * in, xsum + r * groups);
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long o = 0; o < out; o++)
+        for (long r = 0; r < m; r++) {
+            float v = kstep_dot_i4(w + o * in / 2, scale + o * groups, low + o * groups, xq4 + r * in,
+                                   xscale + r * nq, xsum + r * groups, in);
+            y[r * out + o] = v + (bias ? bias[o] : 0.0f);
+        }
+    free(xsum);
+    free(xscale);
+    free(xq4);
+    free(xq);
+}
+
 // ---- RMSNorm of a decode step's few float32 rows: y = x / sqrt(mean(x^2) + eps) * weight ----
 // With `delta`, x + delta first (the residual add before a norm), written to `sum`. One call instead
 // of torch's two or three dispatches, which right after a GEMV has streamed the weights through the

@@ -92,6 +92,66 @@ static inline float kstep_dot_i8(const int8_t *wr, const int16_t *xq, const floa
     return v;
 }
 
+// ---- int4 weights (Int4Linear): codes 0..15 two to a byte (an even element in the low nibble, the
+// next odd one in the high), a float32 scale and low per group of I4GROUP along a row: w = code * scale + low ----
+#define I4GROUP 32  // divides QBLOCK: a group's x shares one int16 scale
+
+// x's int16 codes (kstep_quantize_i16) in the int4 rows' order: each group's 16 even elements, then its
+// 16 odd ones; xsum: each group's float32 sum of x (the lows' term).
+static inline void kstep_int4_x(const int16_t *xq, const float *x, long in, int16_t *xq4, float *xsum) {
+    for (long g = 0; g < in / I4GROUP; g++) {
+        const int16_t *src = xq + g * I4GROUP;
+        int16_t *dst = xq4 + g * I4GROUP;
+        float s = 0.0f;
+        for (int k = 0; k < I4GROUP / 2; k++) {
+            dst[k] = src[2 * k];
+            dst[I4GROUP / 2 + k] = src[2 * k + 1];
+        }
+        for (int k = 0; k < I4GROUP; k++) s += x[g * I4GROUP + k];
+        xsum[g] = s;
+    }
+}
+
+// The int32 sums of one group's 32 codes (as 16 bytes: the even elements' low nibbles, the odd ones'
+// high) against x's int16 codes in kstep_int4_x's order.
+static inline __m256i kstep_group_i4(__m128i bytes, const int16_t *xg) {
+    const __m128i nibble = _mm_set1_epi8(15);
+    __m128i even = _mm_and_si128(bytes, nibble), odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    return _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_cvtepu8_epi16(even), _mm256_loadu_si256((const __m256i *)xg)),
+        _mm256_madd_epi16(_mm256_cvtepu8_epi16(odd), _mm256_loadu_si256((const __m256i *)(xg + 16))));
+}
+
+// One int4 row (in / 2 bytes; in a multiple of I4GROUP) against x in kstep_int4_x's form: per group the
+// codes' int32 sum against x's int16 codes times the group's scale, summed over x's block and times
+// its scale; plus each group's low times its sum of x.
+static inline float kstep_dot_i4(const uint8_t *wr, const float *scale, const float *low, const int16_t *xq4,
+                                 const float *xscale, const float *xsum, long in) {
+    const long per_block = QBLOCK / I4GROUP, groups = in / I4GROUP;
+    __m256 acc = _mm256_setzero_ps(), lows = _mm256_setzero_ps();
+    for (long g = 0; g < groups; g += per_block) {
+        long end = g + per_block < groups ? g + per_block : groups, k = g;
+        __m256 even = _mm256_setzero_ps(), odd = even;  // two chains of multiply-adds, not one
+        for (; k + 2 <= end; k += 2) {  // two groups' 32 bytes at once
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wr + k * I4GROUP / 2));
+            __m256i s0 = kstep_group_i4(_mm256_castsi256_si128(v), xq4 + k * I4GROUP);
+            __m256i s1 = kstep_group_i4(_mm256_extracti128_si256(v, 1), xq4 + (k + 1) * I4GROUP);
+            even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_broadcast_ss(scale + k), even);
+            odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_broadcast_ss(scale + k + 1), odd);
+        }
+        if (k < end) {
+            __m256i s0 = kstep_group_i4(_mm_loadu_si128((const __m128i *)(wr + k * I4GROUP / 2)), xq4 + k * I4GROUP);
+            even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_broadcast_ss(scale + k), even);
+        }
+        acc = _mm256_fmadd_ps(_mm256_add_ps(even, odd), _mm256_set1_ps(xscale[g / per_block]), acc);
+    }
+    long g = 0;
+    for (; g + 8 <= groups; g += 8) lows = _mm256_fmadd_ps(_mm256_loadu_ps(low + g), _mm256_loadu_ps(xsum + g), lows);
+    float rest = 0.0f;
+    for (; g < groups; g++) rest += low[g] * xsum[g];
+    return hsum(acc) + hsum(lows) + rest;
+}
+
 // ---- cpu_kernels.c ----
 // y (m, out) = x (m, in) @ w (out, in).T (+ bias), float32
 void kstep_gemv_f32(const float *x, long m, const float *w, const float *bias, float *y, long out, long in,
@@ -108,6 +168,9 @@ void kstep_rms_norm_f32(const float *x, const float *delta, float *sum, const fl
 // the same over bfloat16 rows, rounded where kstep's torch RMSNorm rounds
 void kstep_rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *sum, const uint16_t *weight,
                          uint16_t *y, long m, long dim, float eps);
+// the same over int4 codes w (out, in / 2) with a float32 scale and low per group of I4GROUP (in a multiple of it)
+void kstep_gemv_i4(const float *x, long m, const uint8_t *w, const float *scale, const float *low, const float *bias,
+                   float *y, long out, long in, int threads);
 // int8 codes (rows, cols) and a float32 scale per row of a float32 weight
 void kstep_quantize_i8(const float *w, long rows, long cols, int8_t *codes, float *scales, int threads);
 
@@ -120,11 +183,12 @@ long kstep_draw(uint8_t *state, const float *probs, long rows, long width, long 
 void kstep_argmax_rows(const float *x, long rows, long width, long *out, int threads);
 
 // ---- cpu_decode.c ----
-// One projection y[0:out] = x @ W.T (+ bias): float32 W (out, in), or int8 codes with a float32 scale
-// per row (`scales` not NULL).
+// One projection y[0:out] = x @ W.T (+ bias): float32 W (out, in); int8 codes with a float32 scale per
+// row (`scales` not NULL, `low` NULL); or int4 codes with a scale and low per group (both not NULL).
 typedef struct {
     const void *weight;
     const float *scales;
+    const float *low;
     const float *bias;
     long out;
 } kstep_proj;

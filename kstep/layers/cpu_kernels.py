@@ -42,6 +42,7 @@ EXPORTS = {
     "kstep_gemv_f32": ([_P, _L, _P, _P, _P, _L, _L, _I], None),
     "kstep_gemv_bf16": ([_P, _L, _P, _P, _P, _L, _L, _I], None),
     "kstep_gemv_i8": ([_P, _L, _P, _P, _P, _P, _L, _L, _I], None),
+    "kstep_gemv_i4": ([_P, _L, _P, _P, _P, _P, _P, _L, _L, _I], None),
     "kstep_rms_norm_f32": ([_P, _P, _P, _P, _P, _L, _L, _F], None),
     "kstep_rms_norm_bf16": ([_P, _P, _P, _P, _P, _L, _L, _F], None),
     "kstep_quantize_i8": ([_P, _L, _L, _P, _P, _I], None),
@@ -147,6 +148,32 @@ def gemv_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         bias = bias.float().contiguous()
     _load().kstep_gemv_i8(flat.data_ptr(), flat.shape[0], codes.data_ptr(), scales.data_ptr(), _ptr(bias),
                        y.data_ptr(), out_f, in_f, torch.get_num_threads())
+    return y.to(x.dtype).view(*x.shape[:-1], out_f)
+
+
+INT4_GROUP = 32  # cpu_kernels.h's I4GROUP: the group the int4 kernel reads
+
+
+def takes_int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, group_size: int) -> bool:
+    """Whether `gemv_int4` runs x against these int4 codes (Int4Linear's buffers): groups of INT4_GROUP,
+    float32 scales and lows, at most MAX_ROWS rows of x, on the CPU."""
+    return (packed.device.type == "cpu" and group_size == INT4_GROUP and x.dtype in _DTYPES
+            and x.numel() <= MAX_ROWS * packed.shape[1] * 2 and packed.is_contiguous()
+            and scale.dtype == torch.float32 and low.dtype == torch.float32 and scale.is_contiguous()
+            and low.is_contiguous() and available())
+
+
+def gemv_int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) @ W.T (+ bias) for Int4Linear's W (code * scale + low per group of INT4_GROUP), in x's
+    dtype: x rounded to int16 per block of 256 as `gemv_int8` does, float32 sums."""
+    out_f, in_f = packed.shape[0], packed.shape[1] * 2
+    flat = x.reshape(-1, in_f).float().contiguous()
+    y = torch.empty(flat.shape[0], out_f)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    _load().kstep_gemv_i4(flat.data_ptr(), flat.shape[0], packed.data_ptr(), scale.data_ptr(), low.data_ptr(),
+                          _ptr(bias), y.data_ptr(), out_f, in_f, torch.get_num_threads())
     return y.to(x.dtype).view(*x.shape[:-1], out_f)
 
 

@@ -111,6 +111,9 @@ class Int4Linear(nn.Module):
         return w.view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda and not torch.is_grad_enabled() and \
+                cpu_kernels.takes_int4(x, self.packed, self.scale, self.low, self.group_size):  # a decode step's rows
+            return cpu_kernels.gemv_int4(x, self.packed, self.scale, self.low, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
 
@@ -119,8 +122,8 @@ QUANTIZATIONS = ("int8", "int4")
 
 def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> dict[str, int]:
     """Replace every nn.Linear (attention, MLP, an untied LM head) in place; returns counts per kind.
-    A layer int4 cannot take (in_features not a multiple of the group) becomes int8. With int8, a
-    head tied to the embedding gets an int8 copy of it as its own head (as llama.cpp's Q8_0 quantizes
+    A layer int4 cannot take (in_features not a multiple of the group) becomes int8. A head tied to
+    the embedding gets an int8 copy of it as its own head (int4 too) (as llama.cpp's Q8_0 quantizes
     the embedding): a decode step then reads a quarter of the float32 head's bytes (a 0.5B model:
     136 MB against 545), for those 136 MB more memory, since the lookups still read the float rows."""
     if mode not in QUANTIZATIONS:
@@ -142,7 +145,8 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> dict[st
                 setattr(parent, name, Int8Linear(child))
                 counts["int8"] += 1
     embed = getattr(model, "embed", None)
-    if mode == "int8" and getattr(model, "lm_head", False) is None and isinstance(embed, nn.Embedding):
+    if getattr(model, "lm_head", False) is None and isinstance(embed, nn.Embedding):  # int8 for int4 too (as
+        # llama.cpp's Q4 files keep the embedding in Q8_0 or Q6_K: the head's precision shows in every token)
         model.lm_head = Int8Linear(SimpleNamespace(weight=embed.weight, bias=None))  # the transformer's tied head
         counts["int8"] += 1
     return counts
