@@ -219,3 +219,6 @@ def test_bench_llamacpp_without_a_build_says_how_to_make_one(tmp_path):
     done = subprocess.run([sys.executable, "-m", "kstep", "bench", "llamacpp", "--weights", "fp8"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "--weights 'fp8'" in done.stderr, done.stderr
+    done = subprocess.run([sys.executable, "-m", "kstep", "bench", "llamacpp", "--weights", "int4"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "int4 runs on GGUF files only" in done.stderr, done.stderr

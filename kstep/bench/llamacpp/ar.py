@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}  # kstep weights -> the GGUF type set beside them
+# kstep weights -> the GGUF type set beside them; int4 has none the converter writes: GGUF files only
+OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": None}
 
 
 def llamacpp_paths(root: Path) -> dict[str, Path]:
@@ -36,6 +37,9 @@ def convert(paths: dict[str, Path], checkpoint: Path, weights: str, work: Path) 
     if (source := gguf_source(checkpoint)) is not None:
         return source
     outtype = OUTTYPES[weights]
+    if outtype is None:
+        raise ValueError(f"--weights {weights} runs on a GGUF file (--model FILE.gguf): llama.cpp's converter "
+                         f"writes no 4-bit type, and {checkpoint} is a checkpoint")
     out = work / f"{checkpoint.name}.{outtype}.gguf"
     if not out.exists():
         work.mkdir(parents=True, exist_ok=True)
@@ -61,7 +65,7 @@ def kstep_runner(checkpoint: Path, weights: str):
     """One greedy generation of exactly max_tokens (end tokens ignored, as llama.cpp's side)."""
     from kstep.llm import load
     llm = load(checkpoint, dtype="bfloat16" if weights == "bfloat16" else "float32",
-               quantize="int8" if weights == "int8" else "none")  # "none": a quantized GGUF file's floats
+               quantize=weights if weights in ("int8", "int4") else "none")  # "none": a quantized GGUF file's floats
 
     def run(prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
         start = time.perf_counter()
@@ -89,7 +93,7 @@ def startup_commands(paths: dict[str, Path], checkpoint: Path, gguf: Path, weigh
              "--prompt-ids", ",".join(map(str, prompt[:8]))]  # both on their default threads (the cores)
     if weights == "bfloat16":
         kstep += ["--dtype", "bfloat16"]
-    kstep += ["--quantize", "int8" if weights == "int8" else "none"]
+    kstep += ["--quantize", weights if weights in ("int8", "int4") else "none"]
     return kstep, [str(paths["bin"] / "llama-simple"), "-m", str(gguf), "-n", "1", "def f(x):"]
 
 

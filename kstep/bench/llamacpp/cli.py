@@ -26,7 +26,8 @@ def add_llamacpp(kinds) -> None:
                             "--model)")
     bench.add_argument("--steps", type=int, default=32, help="diffusion: passes of both engines (default 32)")
     bench.add_argument("--weights", default="float32,bfloat16,int8",
-                       help="kstep weights, each against its GGUF type: float32 (F32), bfloat16 (BF16), int8 (Q8_0)")
+                       help="kstep weights, each against its GGUF type: float32 (F32), bfloat16 (BF16), int8 (Q8_0); "
+                            "int4 on a GGUF file only")
     bench.add_argument("--prompt-tokens", type=int, default=64)
     bench.add_argument("--max-tokens", type=int, default=64)
     bench.add_argument("--threads", type=int, default=2, help="threads of each engine (default 2)")
@@ -75,6 +76,14 @@ def run_llamacpp_bench(args: argparse.Namespace) -> int:
     for w in weights:
         if w not in OUTTYPES:
             raise ValueError(f"--weights {w!r}: not one of {', '.join(OUTTYPES)}")
+    if "int4" in weights and args.kind == "ar":
+        from kstep.bundled import resolve_model
+        from kstep.gguf.view import gguf_source
+        others = [m for m in args.model or [] if gguf_source(Path(resolve_model(m))) is None]
+        others += [f"--shape {s}" for s in args.shape or ([] if args.model else ["qwen2.5-0.5b (the default)"])]
+        if others:
+            raise ValueError(f"--weights int4 runs on GGUF files only (llama.cpp's converter writes no 4-bit type), "
+                             f"not {', '.join(others)}")
     paths = llamacpp_paths(Path(args.llamacpp))
     if args.kind == "diffusion":
         return run_diffusion(args, paths)
