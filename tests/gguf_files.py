@@ -3,6 +3,7 @@ llama.cpp's convert_hf_to_gguf.py writes them (TextModel.set_gguf_parameters, Ll
 permutation, the gpt2 vocabulary with its merges and control tokens, 1-d tensors in F32): CI has no
 llama.cpp tree to run the converter itself."""
 import json
+import math
 import re
 from pathlib import Path
 
@@ -96,6 +97,9 @@ def write_gguf(checkpoint: Path, out: Path, arch: str, kind=gguf.GGMLQuantizatio
         elif stored != gguf.GGMLQuantizationType.F32:
             data = gguf.quants.quantize(data, stored)
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data, raw_dtype=stored)
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors: each frequency's factor
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(config, h["head_dim"] or h["d_model"] // heads))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -116,3 +120,23 @@ def _stacked_experts(tensors: dict) -> dict:
     for name, by_index in experts.items():
         out[name] = torch.stack([by_index[e] for e in sorted(by_index)])
     return out
+
+
+def _llama3_factors(config: dict, dim: int) -> np.ndarray:
+    """The converter's rope_freqs for a llama3 rope_scaling, computed as it computes them (float32 torch)."""
+    scaling = config["rope_scaling"]
+    freqs = 1.0 / (config.get("rope_theta", 10000.0) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low = scaling.get("factor", 8.0), scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_len = config.get("original_max_position_embeddings", 8192)  # the converter reads the top level
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()

@@ -56,6 +56,28 @@ def test_every_architecture_generates_the_safetensors_tokens(family, arch, tmp_p
     assert [greedy(llm, [p], max_tokens=12)[0] for p in PROMPTS] == want
 
 
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+def test_llama_3s_rope_factors_are_read_back_as_its_rope_scaling(tmp_path):
+    """Llama 3.x's scaling, which the converter writes as each frequency's factor (rope_freqs.weight):
+    read back as the config's llama3 rope_scaling, the safetensors' tokens; factors of another recipe
+    are refused by name."""
+    import json
+    source = write_random_checkpoint(tmp_path / "llama3", family="llama", seed=5)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "rope_scaling": LLAMA3_ROPE}))
+    path = write_gguf(source, tmp_path / "llama3.gguf", "llama")
+    llm, want = kstep.load(path), kstep.load(source)
+    assert llm.cfg.rope_scaling == want.cfg.rope_scaling and want.cfg.rope_scaling["rope_type"] == "llama3"
+    assert greedy(llm, max_tokens=12) == greedy(want, max_tokens=12)
+    other = {**LLAMA3_ROPE, "high_freq_factor": 2.0}  # another blend: factors kstep cannot name
+    (source / "config.json").write_text(json.dumps({**config, "rope_scaling": other}))
+    with pytest.raises(ValueError, match=r"rope frequency factors \(rope_freqs.weight\) are not Llama 3's"):
+        kstep.load(write_gguf(source, tmp_path / "other.gguf", "llama"))
+
 def test_the_gguf_tokenizer_encodes_and_decodes_as_the_checkpoints(tmp_path):
     source = BUNDLED_DIR / "default-ar"
     original, converted = kstep.load(source).tokenizer, kstep.load(write_gguf(source, tmp_path / "a.gguf",

@@ -76,3 +76,48 @@ def test_only_the_files_kstep_reads_are_asked_for():
              "training_args.bin", "model.ckpt"]
     assert all(any(fnmatch.fnmatch(name, p) for p in FILES) for name in wanted)
     assert not any(fnmatch.fnmatch(name, p) for name in never for p in FILES)
+
+
+GGUF_REPO = "kstep-test/tiny-ar-GGUF"
+
+
+@pytest.fixture
+def gguf_hub_cache(tmp_path):
+    """A cached repository of GGUF files only (default-ar in F32 and Q8_0), as a GGUF repo on the hub is."""
+    import gguf
+    from gguf_files import write_gguf
+    snapshot = tmp_path / "hub" / f"models--{GGUF_REPO.replace('/', '--')}" / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    write_gguf(BUNDLED_DIR / "default-ar", snapshot / "tiny-ar-F32.gguf", "llama")
+    write_gguf(BUNDLED_DIR / "default-ar", snapshot / "tiny-ar-Q8_0.gguf", "llama", gguf.GGMLQuantizationType.Q8_0)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(COMMIT)
+    return tmp_path / "hub"
+
+
+def test_a_gguf_repository_gives_the_file_its_quant_names(gguf_hub_cache, monkeypatch):
+    """`org/name:QUANT` as llama.cpp's -hf takes it: the file carrying the quant; no quant and no Q4_K_M
+    (llama.cpp's default): the first file; a repository without config.json is read as GGUF files."""
+    import huggingface_hub.constants
+    from kstep.gguf.view import gguf_source
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(gguf_hub_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for model_id, name in ((f"{GGUF_REPO}:Q8_0", "tiny-ar-Q8_0.gguf"), (f"{GGUF_REPO}:q8_0@{COMMIT}", "tiny-ar-Q8_0.gguf"),
+                           (GGUF_REPO, "tiny-ar-F32.gguf")):
+        assert gguf_source(kstep.load(model_id).path).name == name
+    assert greedy(kstep.load(GGUF_REPO)) == greedy(kstep.load("default-ar"))  # F32: the same tokens
+    with pytest.raises(FileNotFoundError, match=r"no GGUF file for Q5_K_M \(there: tiny-ar-F32.gguf, tiny-ar-Q8_0"):
+        kstep.load(f"{GGUF_REPO}:Q5_K_M")
+
+
+def test_picking_a_gguf_file_as_llama_cpp_does():
+    from kstep.hub import NoSuchFile, pick_gguf
+    names = ["README.md", "m-Q4_K_S.gguf", "m-Q4_K_M.gguf", "m-Q8_0.gguf", "mmproj-m-f16.gguf", "sub/m-IQ4_XS.gguf"]
+    assert pick_gguf("x", names, None) == "m-Q4_K_M.gguf"
+    assert pick_gguf("x", names, "q4_k_s") == "m-Q4_K_S.gguf"
+    assert pick_gguf("x", names, "IQ4_XS") == "sub/m-IQ4_XS.gguf"
+    assert pick_gguf("x", ["b-Q8_0.gguf", "a-Q6_K.gguf"], None) == "a-Q6_K.gguf"  # no Q4_K_M: the first
+    with pytest.raises(NoSuchFile, match="split GGUF"):
+        pick_gguf("x", ["big-Q4_K_M-00001-of-00002.gguf", "big-Q4_K_M-00002-of-00002.gguf"], None)
+    with pytest.raises(NoSuchFile, match="no GGUF files"):
+        pick_gguf("x", ["README.md"], None)

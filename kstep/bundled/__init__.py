@@ -10,7 +10,7 @@ import importlib.util
 from pathlib import Path
 
 from kstep.gguf.view import gguf_in, gguf_view
-from kstep.hub import hub_snapshot, is_hub_id
+from kstep.hub import hub_model, is_hub_id
 
 BUNDLED_DIR = Path(__file__).parent
 BUNDLED_MODELS = ("default", "default-ar", "default-draft", "llada-coder")
@@ -26,8 +26,8 @@ INSTRUCT_MODELS = {"smollm2"}
 
 def resolve_model(name_or_path: str | Path) -> Path:
     """A bundled or packaged model's directory for its name; a GGUF file (or a directory holding one) as
-    its view directory (kstep/gguf/view.py); a Hugging Face id (`org/name[@revision]`, not a path here)
-    as its snapshot (kstep/hub.py); any other value is taken as a checkpoint path."""
+    its view directory (kstep/gguf/view.py); a Hugging Face id (`org/name[:quant][@revision]`, not a path
+    here) as its snapshot, or its GGUF file's view (kstep/hub.py); any other value is taken as a checkpoint path."""
     if str(name_or_path) in BUNDLED_MODELS:
         path = BUNDLED_DIR / str(name_or_path)
         if not (path / "model.safetensors").is_file():
@@ -39,7 +39,10 @@ def resolve_model(name_or_path: str | Path) -> Path:
     found = gguf_in(path)
     if found is not None:
         return gguf_view(found)
-    return hub_snapshot(str(name_or_path)) if is_hub_id(str(name_or_path)) else path
+    if not is_hub_id(str(name_or_path)):
+        return path
+    found = hub_model(str(name_or_path))  # a snapshot directory, or a GGUF file
+    return gguf_view(found) if found.is_file() else found
 
 
 def packaged_file(name: str) -> Path:

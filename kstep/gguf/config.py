@@ -22,9 +22,6 @@ def hf_config(file: GGUFFile) -> dict:
     if file.arch not in ARCHITECTURES:
         raise ValueError(f"{file.path}: GGUF architecture {file.arch!r} is not one kstep runs "
                          f"(it runs {', '.join(ARCHITECTURES)} from GGUF files)")
-    if "rope_freqs.weight" in file.tensors:  # Llama 3.1's frequency factors, written as a tensor
-        raise ValueError(f"{file.path}: its rope frequency factors (rope_freqs.weight, Llama 3.1's rope "
-                         "scaling) are not supported from GGUF files; load the safetensors checkpoint")
     architecture, model_type = ARCHITECTURES[file.arch]
     heads, d_model = file.arch_get("attention.head_count"), file.arch_get("embedding_length")
     kv_heads, head_dim = file.arch_get("attention.head_count_kv") or heads, file.arch_get("attention.key_length")
@@ -60,7 +57,47 @@ def hf_config(file: GGUFFile) -> dict:
         raw["rope_scaling"] = {"rope_type": scaling, "factor": file.arch_get("rope.scaling.factor"),
                                **({"original_max_position_embeddings": original} if (
                                    original := file.arch_get("rope.scaling.original_context_length")) else {})}
+    if "rope_freqs.weight" in file.tensors:  # Llama 3.x's scaling, written as each frequency's factor
+        raw["rope_scaling"] = _llama3_scaling(file, raw["rope_theta"],
+                                              file.arch_get("rope.dimension_count") or head_dim or d_model // heads)
     return {k: v for k, v in raw.items() if v is not None}
+
+
+# The converter's defaults for Llama 3.x's rope (LlamaModel.generate_extra_tensors), which every Llama
+# 3.1-3.3 config.json also gives; its `factor` is the largest of the factors it writes.
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama3_scaling(file: GGUFFile, theta: float, dim: int) -> dict:
+    """The config.json rope_scaling whose factors the file's rope_freqs.weight holds: llama3 with the
+    converter's defaults and the largest factor, checked by computing the factors again as the converter
+    does; any other set is refused by name."""
+    tensor = file.tensors["rope_freqs.weight"]
+    stored = np.asarray(tensor.data, dtype=np.float64).reshape(-1) if tensor.tensor_type.name == "F32" else None
+    spec = {"rope_type": "llama3", "factor": float(stored.max()) if stored is not None else None, **LLAMA3_ROPE}
+    if stored is None or stored.shape != (dim // 2,) or not np.allclose(_llama3_factors(theta, dim, spec), stored,
+                                                                        rtol=1e-6, atol=0):
+        raise ValueError(f"{file.path}: its rope frequency factors (rope_freqs.weight) are not Llama 3's with "
+                         f"low/high frequency factors 1 and 4 over 8192 positions, the only ones kstep reads "
+                         "from a GGUF file; load the safetensors checkpoint")
+    return spec
+
+
+def _llama3_factors(theta: float, dim: int, spec: dict) -> np.ndarray:
+    """Each frequency's factor as llama.cpp's converter writes them for a llama3 rope_scaling."""
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    old_len, low, high = spec["original_max_position_embeddings"], spec["low_freq_factor"], spec["high_freq_factor"]
+    out = []
+    for freq in freqs.astype(np.float64):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(spec["factor"])
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / spec["factor"] + smooth))
+    return np.asarray(out, dtype=np.float32).astype(np.float64)
 
 
 def _llada_moe(file: GGUFFile, d_model: int, heads: int, kv_heads: int, head_dim: int, tied: bool) -> dict:
