@@ -34,7 +34,27 @@ def hparams(config: dict) -> dict:
                 kv_heads=config.get("num_key_value_heads") or heads, head_dim=config.get("head_dim"))
 
 
-def write_gguf(checkpoint: Path, out: Path, arch: str, kind=gguf.GGMLQuantizationType.F32, pre: str = "gpt-2") -> Path:
+def add_spm_vocab(writer: gguf.GGUFWriter, pieces: dict[str, float]) -> int:
+    """A SentencePiece vocabulary (tokenizer model "llama") as the converter's _set_vocab_sentencepiece
+    writes one: <unk>, <s>, </s>, the 256 byte tokens, then the pieces with their scores; its size."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(pieces)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + list(pieces.values()))
+    writer.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] +
+                           [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * len(pieces))
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    return len(tokens)
+
+
+def write_gguf(checkpoint: Path, out: Path, arch: str, kind=gguf.GGMLQuantizationType.F32, pre: str = "gpt-2",
+               spm: dict[str, float] | None = None) -> Path:
+    """The checkpoint as the converter writes it; with `spm`, a SentencePiece vocabulary of those
+    pieces instead of the checkpoint's tokenizer (the checkpoint's vocab_size must be its size)."""
     config = json.loads((checkpoint / "config.json").read_text())
     tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
     tokenizer_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
@@ -64,25 +84,10 @@ def write_gguf(checkpoint: Path, out: Path, arch: str, kind=gguf.GGMLQuantizatio
         writer.add_expert_count(config["num_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["expert_intermediate_size"])
-    # the vocabulary as _set_vocab_gpt2 writes it: ids in order, added special tokens as CONTROL
-    vocab, special = tokenizer["model"]["vocab"], {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
-    tokens = sorted(vocab, key=vocab.get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-                            for i in range(len(tokens))])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
-    ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
-    for name, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
-                      ("pad_token", writer.add_pad_token_id), ("mask_token", writer.add_mask_token_id)):
-        if tokenizer_config.get(name) in ids:
-            add(ids[tokenizer_config[name]])
-        elif name == "mask_token" and config.get("mask_token_id") is not None:  # SpecialVocab reads config.json too
-            add(config["mask_token_id"])
-    writer.add_add_bos_token(False)
-    if tokenizer_config.get("chat_template"):
-        writer.add_chat_template(tokenizer_config["chat_template"])
+    if spm is not None:
+        assert add_spm_vocab(writer, spm) == config["vocab_size"]
+    else:
+        _add_bpe_vocab(writer, config, tokenizer, tokenizer_config, pre)
     arches = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}
     names = gguf.get_tensor_name_map(arches[arch], h["layers"])
     for name, tensor in _stacked_experts(load_file(checkpoint / "model.safetensors")).items():
@@ -105,6 +110,29 @@ def write_gguf(checkpoint: Path, out: Path, arch: str, kind=gguf.GGMLQuantizatio
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+
+def _add_bpe_vocab(writer: gguf.GGUFWriter, config: dict, tokenizer: dict, tokenizer_config: dict, pre: str) -> None:
+    """The vocabulary as _set_vocab_gpt2 writes it: ids in order, added special tokens as CONTROL."""
+    vocab, special = tokenizer["model"]["vocab"], {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                            for i in range(len(tokens))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    for name, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                      ("pad_token", writer.add_pad_token_id), ("mask_token", writer.add_mask_token_id)):
+        if tokenizer_config.get(name) in ids:
+            add(ids[tokenizer_config[name]])
+        elif name == "mask_token" and config.get("mask_token_id") is not None:  # SpecialVocab reads config.json too
+            add(config["mask_token_id"])
+    writer.add_add_bos_token(False)
+    if tokenizer_config.get("chat_template"):
+        writer.add_chat_template(tokenizer_config["chat_template"])
 
 
 def _stacked_experts(tensors: dict) -> dict:
