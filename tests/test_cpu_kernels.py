@@ -67,18 +67,28 @@ def test_gemv_matches_torch(dtype, rows, out_f, in_f):
     assert torch.equal(routed, got)
 
 
+# int4: an odd number of groups of 32, a last block of 256 with fewer than 8 of them
+QUANTIZED = [("int8", 1024, 768), ("int8", 515, 1041), ("int4", 1024, 768), ("int4", 515, 1056), ("int4", 7, 32)]
+
+
+def takes_quantized(x: torch.Tensor, q: torch.nn.Module) -> bool:
+    if isinstance(q, Int8Linear):
+        return cpu_kernels.takes_int8(x, q.weight_int8)
+    return cpu_kernels.takes_int4(x, q.packed, q.scale, q.low, q.group_size)
+
+
 @needs_gemv
 @pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("out_f,in_f", [(1024, 768), (515, 1041)])
-def test_gemv_int8_matches_the_dequantized_weight(rows, out_f, in_f):
+@pytest.mark.parametrize("kind,out_f,in_f", QUANTIZED)
+def test_quantized_gemvs_match_the_dequantized_weight(kind, rows, out_f, in_f):
     gen = torch.Generator().manual_seed(out_f)
     layer = torch.nn.Linear(in_f, out_f)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(out_f, in_f, generator=gen))
-    q = Int8Linear(layer)
+    q = Int8Linear(layer) if kind == "int8" else Int4Linear(layer, group_size=32)
     x = torch.randn(rows, in_f, generator=gen) * torch.linspace(0.01, 3, in_f)  # uneven magnitudes per block
     with torch.inference_mode():
-        assert cpu_kernels.takes_int8(x, q.weight_int8)
+        assert takes_quantized(x, q) and not takes_quantized(torch.randn(5, in_f), q)  # 5 rows: torch's
         got = q(x)
         weight = q.dequantized(torch.float64)
         exact = x.double() @ weight.t() + layer.bias.double()
@@ -89,30 +99,6 @@ def test_gemv_int8_matches_the_dequantized_weight(rows, out_f, in_f):
     bound = (steps / 2) @ weight.abs().t() + 1e-5 * (x.double().abs() @ weight.abs().t())
     assert ((got.double() - exact).abs() <= bound).all()
     assert (bound < 1e-3 * (x.double().abs() @ weight.abs().t())).all()  # and that is small
-
-
-@needs_gemv
-@pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("out_f,in_f", [(1024, 768), (515, 1056), (7, 32)])
-def test_gemv_int4_matches_the_dequantized_weight(rows, out_f, in_f):
-    """Int4Linear's rows on the C kernel: within the int16 rounding of x (as int8's) of the exact product
-    with its dequantized weight, for an odd number of groups and a last block of fewer than 8."""
-    gen = torch.Generator().manual_seed(out_f)
-    layer = torch.nn.Linear(in_f, out_f)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(out_f, in_f, generator=gen))
-    q = Int4Linear(layer, group_size=32)
-    x = torch.randn(rows, in_f, generator=gen) * torch.linspace(0.01, 3, in_f)
-    with torch.inference_mode():
-        assert cpu_kernels.takes_int4(x, q.packed, q.scale, q.low, q.group_size)
-        got = q(x)
-        weight = q.dequantized(torch.float64)
-        exact = x.double() @ weight.t() + layer.bias.double()
-    steps = torch.cat([blk.abs().amax(-1, keepdim=True).expand_as(blk) / 32767
-                       for blk in x.double().split(256, -1)], -1)
-    bound = (steps / 2) @ weight.abs().t() + 1e-5 * (x.double().abs() @ weight.abs().t())
-    assert ((got.double() - exact).abs() <= bound).all()
-    assert not cpu_kernels.takes_int4(torch.randn(5, in_f), q.packed, q.scale, q.low, q.group_size)  # 5 rows: torch
 
 
 @needs_gemv
