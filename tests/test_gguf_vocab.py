@@ -99,7 +99,8 @@ def test_a_sentencepiece_vocabulary_encodes_as_llama_cpps_tokenizer(tmp_path):
     assert tokenizer.encode("ab").ids[0] == 1 and config["bos_token"] == "<s>"  # add_bos_token: <s> first
 
 
-VOCABULARIES = ["gpt-2", "llama-bpe", "qwen2", "llama-spm", "phi-3"]  # every one kstep reads of llama.cpp's
+# every one of llama.cpp's test vocabularies kstep reads
+VOCABULARIES = ["gpt-2", "llama-bpe", "qwen2", "deepseek-coder", "llama-spm", "phi-3"]
 
 
 @pytest.mark.skipif(not FIXTURES.is_dir(), reason="llama.cpp's tree is not unpacked (scripts/build_llamacpp.sh)")

@@ -11,21 +11,24 @@ UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # tokenizer.ggml.token_type values (gg
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 
 
-def _split_then_bytes(pattern: str) -> dict:
-    """A Split on the regex, then byte-level without its own regex (how Qwen2's and Llama 3's ship)."""
-    return {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
-        {**_BYTE_LEVEL, "use_regex": False}]}
+def _splits_then_bytes(*patterns: str) -> dict:
+    """Splits on each regex in turn, then byte-level without its own regex: llama.cpp's list of regexes
+    for one name, each applied to the pieces the one before left (as Qwen2's, Llama 3's and DeepSeek
+    Coder's tokenizer.json ship)."""
+    splits = [{"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": False} for p in patterns]
+    return {"type": "Sequence", "pretokenizers": [*splits, {**_BYTE_LEVEL, "use_regex": False}]}
 
 
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
            r"\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = {
     "gpt-2": _BYTE_LEVEL,
-    "qwen2": _split_then_bytes(_LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")),
-    "llama-bpe": _split_then_bytes(_LLAMA3),
-    "llama3": _split_then_bytes(_LLAMA3),
+    "qwen2": _splits_then_bytes(_LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")),
+    "llama-bpe": _splits_then_bytes(_LLAMA3),
+    "llama3": _splits_then_bytes(_LLAMA3),
     "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
+    "deepseek-coder": _splits_then_bytes(r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+",
+                                         "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"),
 }
 NFC = ("qwen2",)  # Qwen2's tokenizer.json normalizes to NFC first (llama.cpp does not: the same ids for NFC text)
 IGNORES_MERGES = ("llama-bpe", "llama3")  # llama.cpp's LLAMA3 type: a whole word in the vocabulary is one token
