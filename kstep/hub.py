@@ -4,7 +4,7 @@ files kstep reads (safetensors, config, tokenizer, generation config: never a pi
 
 A repository of GGUF files (`org/name:QUANT`, as llama.cpp's `-hf` takes it) gives one file: the one
 whose name carries QUANT (case-insensitive), or without one, Q4_K_M where there is one, else the first
-(llama.cpp's rule; a repository with no config.json is taken as such). Only that file is downloaded."""
+(llama.cpp's rule; a repository with no config.json or no safetensors is taken as such). Only that file is downloaded."""
 import os
 import re
 from pathlib import Path
@@ -57,10 +57,15 @@ def hub_snapshot(model_id: str) -> Path:
 def hub_gguf(model_id: str, repo: str, quant: str | None, revision: str | None) -> Path:
     """The GGUF file of a repository `quant` picks (see the module's docstring)."""
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError
 
     def fetch(local: bool) -> str:
         if local:  # what the cache holds of the repository at that revision
-            folder = Path(snapshot_download(repo, revision=revision, allow_patterns=["*.gguf"], local_files_only=True))
+            try:
+                folder = snapshot_download(repo, revision=revision, allow_patterns=["*.gguf"], local_files_only=True)
+            except IncompleteSnapshotError as e:  # the other quants' files, listed by the hub, never fetched
+                folder = e.snapshot_path
+            folder = Path(folder)
             return str(folder / pick_gguf(model_id, [str(f.relative_to(folder)) for f in folder.rglob("*.gguf")],
                                           quant))
         name = pick_gguf(model_id, HfApi().list_repo_files(repo, revision=revision), quant)
@@ -108,7 +113,7 @@ def _fetch(model_id: str, fetch) -> str:
 
 def _checked(model_id: str, folder: str) -> Path:
     path = Path(folder)
-    if not (path / "config.json").is_file():
-        raise NotACheckpoint(f"model {model_id!r}: the hub's snapshot at {path} has no config.json "
-                             "(kstep reads safetensors checkpoints and GGUF files from the hub)")
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):  # (a GGUF repository's)
+        raise NotACheckpoint(f"model {model_id!r}: the hub's snapshot at {path} has no config.json or no "
+                             "safetensors (kstep reads safetensors checkpoints and GGUF files from the hub)")
     return path

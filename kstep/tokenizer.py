@@ -90,9 +90,14 @@ class Tokenizer:
         return {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
 
     def _token_texts(self) -> list[str]:
-        """Each id's text (built once): what healing compares."""
+        """Each id's text as it reads after other text (built once): what healing compares. Decoded after
+        a first token and cut from it: a SentencePiece decoder strips the space a piece starts with at
+        the start of a text ("\u2581then" alone reads "then", after "a" " then")."""
         if self._texts is None:
-            self._texts = [self._tok.decode([i], skip_special_tokens=False) for i in range(self.vocab_size)]
+            first = (self._tok.encode("a", add_special_tokens=False).ids or [0])[:1]
+            lead = self._tok.decode(first, skip_special_tokens=False)
+            texts = (self._tok.decode(first + [i], skip_special_tokens=False) for i in range(self.vocab_size))
+            self._texts = [text[len(lead):] if text.startswith(lead) else text for text in texts]
         return self._texts
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

@@ -117,13 +117,15 @@ def test_each_vocabulary_encodes_llama_cpps_own_test_texts_as_it_does(name):
 
 def test_a_model_with_a_sentencepiece_vocabulary_runs_and_keeps_to_a_json_schema(tmp_path):
     """A Llama GGUF whose tokenizer is SentencePiece ("\u2581" for spaces, bytes for the rest) loads,
-    generates text that decodes as it encodes, and llguidance reads its tokenizer.json: output held to a
-    JSON schema parses and holds to it."""
+    decodes what it encodes, token healing sees a word's piece with its space (decoded alone, the
+    decoder strips it), and llguidance reads its tokenizer.json: output held to a JSON schema parses."""
     from kstep.random_checkpoint import write_random_checkpoint
     pieces = random_pieces(400, "abcdefghij {}\":,0123456789")
     source = write_random_checkpoint(tmp_path / "llama", family="llama", seed=2, vocab_size=259 + len(pieces))
     llm = kstep.load(write_gguf(source, tmp_path / "spm.gguf", "llama", spm=pieces))
     assert llm.tokenizer.decode(llm.tokenizer.encode("abc de")) == "abc de"
+    spaced = next(p for p in pieces if p.startswith(SPACE) and len(p) > 1)  # a piece that starts a word
+    assert llm.tokenizer._token_texts()[llm.tokenizer.token_to_id(spaced)] == spaced.replace(SPACE, " ")  # healing
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["ab", "cd"]}},
               "required": ["a", "b"], "additionalProperties": False}
     [out] = llm.generate(["{"], max_tokens=48, temperature=0.0, structured=StructuredSpec.json_schema(schema))

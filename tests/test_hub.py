@@ -121,3 +121,18 @@ def test_picking_a_gguf_file_as_llama_cpp_does():
         pick_gguf("x", ["big-Q4_K_M-00001-of-00002.gguf", "big-Q4_K_M-00002-of-00002.gguf"], None)
     with pytest.raises(NoSuchFile, match="no GGUF files"):
         pick_gguf("x", ["README.md"], None)
+
+
+def test_a_cached_quant_is_found_offline_though_the_hub_listed_others(gguf_hub_cache, monkeypatch):
+    """huggingface_hub remembers a repository's file list from an online call; offline, a snapshot
+    missing the quants never fetched is "incomplete" to it, yet holds the one asked for."""
+    tree_cache = pytest.importorskip("huggingface_hub._tree_cache")
+    import huggingface_hub.constants
+    from kstep.gguf.view import gguf_source
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(gguf_hub_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    entry = dict(size=4, blob_id="x", lfs_sha256=None, lfs_size=None, xet_hash=None)
+    listed = {name: tree_cache.TreeCacheEntry(**entry) for name in ("tiny-ar-F32.gguf", "tiny-ar-Q8_0.gguf",
+                                                                    "tiny-ar-Q4_K_M.gguf", "README.md")}
+    tree_cache.write_tree_cache(str(gguf_hub_cache / f"models--{GGUF_REPO.replace('/', '--')}"), COMMIT, listed)
+    assert gguf_source(kstep.load(f"{GGUF_REPO}:Q8_0").path).name == "tiny-ar-Q8_0.gguf"

@@ -99,6 +99,7 @@ def _sentencepiece(file: GGUFFile, tokens: list[str]) -> dict:
         merges += sorted(splits, key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
     prefix = file.get("tokenizer.ggml.add_space_prefix", True)
     unk = file.get("tokenizer.ggml.unknown_token_id")
+    unk = unk if unk is not None and 0 <= unk < len(tokens) else None
     normalizers = ([{"type": "Prepend", "prepend": "▁"}] if prefix else []) + \
         [{"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]
     decoders = [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},

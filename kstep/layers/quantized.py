@@ -123,7 +123,7 @@ QUANTIZATIONS = ("int8", "int4")
 def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> dict[str, int]:
     """Replace every nn.Linear (attention, MLP, an untied LM head) in place; returns counts per kind.
     A layer int4 cannot take (in_features not a multiple of the group) becomes int8. A head tied to
-    the embedding gets an int8 copy of it as its own head (int4 too) (as llama.cpp's Q8_0 quantizes
+    the embedding gets an int8 copy of it as its own head (int4 too, on a CPU) (as llama.cpp's Q8_0 quantizes
     the embedding): a decode step then reads a quarter of the float32 head's bytes (a 0.5B model:
     136 MB against 545), for those 136 MB more memory, since the lookups still read the float rows."""
     if mode not in QUANTIZATIONS:
@@ -145,8 +145,9 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32) -> dict[st
                 setattr(parent, name, Int8Linear(child))
                 counts["int8"] += 1
     embed = getattr(model, "embed", None)
-    if getattr(model, "lm_head", False) is None and isinstance(embed, nn.Embedding):  # int8 for int4 too (as
-        # llama.cpp's Q4 files keep the embedding in Q8_0 or Q6_K: the head's precision shows in every token)
+    if getattr(model, "lm_head", False) is None and isinstance(embed, nn.Embedding) and \
+            (mode == "int8" or embed.weight.device.type == "cpu"):  # int8 for int4 too on a CPU, whose kernel
+        # reads it (llama.cpp's Q4 files keep the embedding in Q8_0 or Q6_K: the head's precision shows)
         model.lm_head = Int8Linear(SimpleNamespace(weight=embed.weight, bias=None))  # the transformer's tied head
         counts["int8"] += 1
     return counts
