@@ -56,8 +56,9 @@ def running_server(model: Path | str, *args: str, log: Path | None = None):
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"kstep serve exited with {proc.returncode}: {log.read_text() if log else ''}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+            try:  # a probe waits for its answer: under Ray Serve, one its client dropped while the replicas
+                # started stayed counted on a replica, whose router then sent every request to the other
+                if httpx.get(url + "/health", timeout=30).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
